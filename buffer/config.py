@@ -1,0 +1,62 @@
+"""The replay buffer's configuration and the addresses it binds."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class BufferConfig:
+    """Section `buffer:` of the run config."""
+
+    host: str = "127.0.0.1"
+    """Interface the buffer binds (and the address clients use); 127.0.0.1 unless roles span machines."""
+    port: int = 5555
+    """Control socket (ROUTER: leases, batches, metrics). The next three ports are the ingest socket
+    (PULL, scored rollouts), the relay input (PULL, raw rollouts from generators) and the relay
+    output (PUSH, to scorers)."""
+    prompts: str = ""
+    """Prompt dataset: JSONL, one object per line with `prompt` and optional `label`."""
+    prompts_per_step: int = 8
+    """Prompt groups in one learner step's batch (all ranks together)."""
+    n_samples_per_prompt: int = 4
+    """Completions sampled per prompt (the group size)."""
+    max_staleness: int = 1
+    """Versions a sample may lag the learner when trained on (0 = synchronous)."""
+    lease_ttl_s: float = 60.0
+    """A lease not answered (or renewed) within this many seconds is issued again."""
+    max_epochs: int = 1
+    """Passes over the prompt dataset; after the last the buffer answers `done`."""
+    shuffle_seed: int | None = 0
+    """Seed for the order prompts are leased in each epoch; None keeps file order."""
+    state_dir: str = ""
+    """Where accepted groups and counters are persisted (empty: not persisted)."""
+    max_queued_groups: int = 4096
+    """Complete groups held for learners at most; past it the oldest are dropped and counted."""
+
+    def validate(self) -> None:
+        errs = []
+        if not 0 < self.port < 65533:
+            errs.append(f"buffer.port={self.port} must leave room for port+3 below 65536")
+        if self.prompts_per_step < 1:
+            errs.append(f"buffer.prompts_per_step={self.prompts_per_step} must be >= 1")
+        if self.n_samples_per_prompt < 1:
+            errs.append(f"buffer.n_samples_per_prompt={self.n_samples_per_prompt} must be >= 1")
+        if self.max_staleness < 0:
+            errs.append(f"buffer.max_staleness={self.max_staleness} must be >= 0")
+        if self.lease_ttl_s <= 0:
+            errs.append(f"buffer.lease_ttl_s={self.lease_ttl_s} must be > 0")
+        if self.max_epochs < 1:
+            errs.append(f"buffer.max_epochs={self.max_epochs} must be >= 1")
+        if errs:
+            raise ValueError("; ".join(errs))
+
+
+def endpoints(host: str, port: int) -> dict[str, str]:
+    """The four ZeroMQ endpoints of a buffer at `host:port`."""
+    return {
+        "control": f"tcp://{host}:{port}",
+        "ingest": f"tcp://{host}:{port + 1}",
+        "relay_in": f"tcp://{host}:{port + 2}",
+        "relay_out": f"tcp://{host}:{port + 3}",
+    }
