@@ -1,0 +1,100 @@
+"""Model helpers shared by the learner and the scorers: loading, and token log-probs.
+
+Light on purpose (no DeepSpeed import): the reference scorer computes its log-probs with exactly
+the function the learner trains with, so the KL term compares like with like.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+import torch.nn.functional as F
+
+
+def load_causal_lm(path: str, dtype: str | torch.dtype = "float32", device: str = "cpu"):
+    """Any `AutoModelForCausalLM` folder, in eval mode."""
+    from transformers import AutoModelForCausalLM
+
+    if isinstance(dtype, str):
+        dtype = getattr(torch, dtype)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+    return model.to(device).eval()
+
+
+def gather_logprobs(logits: torch.Tensor, labels: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """log softmax(logits / T) at `labels`.
+
+    logits: (B, L, V); labels: (B, L) -> (B, L). Computed in fp32 whatever the model's dtype, via
+    logsumexp so the (B, L, V) log-softmax is never materialised twice.
+    """
+    logits = logits.float()
+    if temperature != 1.0:
+        logits = logits / temperature
+    picked = torch.gather(logits, -1, labels.unsqueeze(-1)).squeeze(-1)  # (B, L)
+    return picked - torch.logsumexp(logits, dim=-1)
+
+
+def pad_sequences(
+    prompts: Sequence[Sequence[int]], completions: Sequence[Sequence[int]], pad_id: int = 0
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Right-padded prompt+completion batch.
+
+    Returns input_ids (B, L), attention_mask (B, L) and completion_mask (B, L-1), where
+    completion_mask[b, t] says that the token at position t+1 is a completion token (the logits at
+    position t predict it).
+    """
+    seqs = [list(map(int, p)) + list(map(int, c)) for p, c in zip(prompts, completions)]
+    L = max(len(s) for s in seqs)
+    B = len(seqs)
+    input_ids = torch.full((B, L), pad_id, dtype=torch.long)
+    attention_mask = torch.zeros((B, L), dtype=torch.long)
+    completion_mask = torch.zeros((B, L - 1), dtype=torch.bool)
+    for b, (p, c) in enumerate(zip(prompts, completions)):
+        n = len(p) + len(c)
+        input_ids[b, :n] = torch.tensor(seqs[b], dtype=torch.long)
+        attention_mask[b, :n] = 1
+        completion_mask[b, len(p) - 1 : n - 1] = True
+    return input_ids, attention_mask, completion_mask
+
+
+def sequence_token_logprobs(
+    model, input_ids: torch.Tensor, attention_mask: torch.Tensor, temperature: float = 1.0
+) -> torch.Tensor:
+    """Log-prob of every next token under `model`: (B, L) ids -> (B, L-1) log-probs (grad flows)."""
+    logits = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits  # (B, L, V)
+    return gather_logprobs(logits[:, :-1], input_ids[:, 1:], temperature)
+
+
+@torch.no_grad()
+def completion_logprobs(
+    model,
+    prompts: Sequence[Sequence[int]],
+    completions: Sequence[Sequence[int]],
+    temperature: float = 1.0,
+    batch_size: int = 16,
+    pad_id: int = 0,
+) -> list[torch.Tensor]:
+    """Per-token log-probs of each completion given its prompt: a list of (T_i,) fp32 tensors."""
+    device = next(model.parameters()).device
+    out: list[torch.Tensor] = []
+    for i in range(0, len(prompts), batch_size):
+        p, c = prompts[i : i + batch_size], completions[i : i + batch_size]
+        ids, attn, cmask = pad_sequences(p, c, pad_id)
+        lp = sequence_token_logprobs(model, ids.to(device), attn.to(device), temperature).cpu()  # (B, L-1)
+        for b in range(len(p)):
+            out.append(lp[b][cmask[b]].clone())
+    return out
+
+
+def masked_mean(x: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> torch.Tensor:
+    mask = mask.to(x.dtype)
+    if dim is None:
+        return (x * mask).sum() / mask.sum().clamp_min(1.0)
+    return (x * mask).sum(dim) / mask.sum(dim).clamp_min(1.0)
+
+
+def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
+    """(B, L, V) -> (B, L) entropy of softmax(logits)."""
+    logp = F.log_softmax(logits.float(), dim=-1)
+    return -(logp.exp() * logp).sum(-1)

@@ -1,0 +1,59 @@
+"""Fixtures shared by the whole suite: the tiny model folder and free ports.
+
+Expensive things are built once per session (the tiny model) so that the suite stays within its
+time budget on a 2-core machine.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+# vLLM on CPU: the KV cache is host memory; 1 GiB is plenty for the tiny model.
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+
+
+def free_port_block(n: int = 1) -> int:
+    """A base port such that base .. base+n-1 were all free a moment ago."""
+    for _ in range(200):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            base = s.getsockname()[1]
+        if base + n >= 65535:
+            continue
+        ok = True
+        for p in range(base + 1, base + n):
+            with socket.socket() as s:
+                try:
+                    s.bind(("127.0.0.1", p))
+                except OSError:
+                    ok = False
+                    break
+        if ok:
+            return base
+    raise RuntimeError(f"no block of {n} free ports found")
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory) -> Path:
+    """The default tiny Llama (2 layers, hidden 128, head_dim 64) and its character tokenizer."""
+    from learner.tiny_model import build_tiny_model
+
+    return build_tiny_model(tmp_path_factory.mktemp("tiny_model"), seed=0)
+
+
+def subprocess_env() -> dict[str, str]:
+    """Environment for role subprocesses started by tests: the project on the path, quiet libraries."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    env.setdefault("TOKENIZERS_PARALLELISM", "false")
+    return env
