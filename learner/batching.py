@@ -1,0 +1,138 @@
+"""From the buffer's `Batch` of scored rollouts to padded tensors, and the split into micro-batches.
+
+Positions: a row is prompt + completion, right-padded to L. Per-token tensors live on the (B, T)
+frame of next-token predictions, T = L - 1: entry t is about token t + 1, predicted by the logits
+at position t (as `learner.modeling.pad_sequences` builds `completion_mask`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from buffer.protocol import Batch, ScoredRollout
+from learner.modeling import pad_sequences
+
+
+@dataclass
+class TrainBatch:
+    """One rank's share of a step, as tensors; the trainer fills the optional fields during the step."""
+
+    input_ids: torch.Tensor  # (B, L) long, prompt + completion, right-padded
+    attention_mask: torch.Tensor  # (B, L) long
+    completion_mask: torch.Tensor  # (B, T) bool, T = L - 1
+    behav_logprobs: torch.Tensor  # (B, T) float32, log mu (0 off the completion)
+    versions: torch.Tensor  # (B, T) long, policy version of each completion token (-1 elsewhere)
+    rewards: torch.Tensor  # (B,) float32
+    group_ids: torch.Tensor  # (B,) long
+    ref_logprobs: torch.Tensor | None = None  # (B, T) float32 under the reference, when scored
+    # ---- filled in by the trainer -------------------------------------------------------------
+    prox_logprobs: torch.Tensor | None = None  # (B, T) log pi_old, no grad
+    old_values: torch.Tensor | None = None  # (B, T) critic at the start of the step
+    weights: torch.Tensor | None = None  # (B, T) corrected w = pi_old / mu
+    loss_mask: torch.Tensor | None = None  # (B, T) bool, completion tokens the loss counts
+    advantages: torch.Tensor | None = None  # (B, T)
+    returns: torch.Tensor | None = None  # (B, T)
+
+    @property
+    def size(self) -> int:
+        return self.input_ids.shape[0]
+
+    @property
+    def num_completion_tokens(self) -> int:
+        return int(self.completion_mask.sum())
+
+    def select(self, idx: torch.Tensor) -> "TrainBatch":
+        """Rows `idx`, trimmed to the longest of them (so a micro-batch of short rows stays short)."""
+        L = int(self.attention_mask[idx].sum(-1).max())
+        out = {}
+        for f in dataclasses.fields(self):
+            v = getattr(self, f.name)
+            if v is None:
+                out[f.name] = None
+            elif v.dim() == 1:
+                out[f.name] = v[idx]
+            elif f.name in ("input_ids", "attention_mask"):
+                out[f.name] = v[idx, :L]
+            else:
+                out[f.name] = v[idx, : L - 1]
+        return TrainBatch(**out)
+
+    def to(self, device: torch.device | str) -> "TrainBatch":
+        return TrainBatch(**{f.name: None if getattr(self, f.name) is None else getattr(self, f.name).to(device)
+                             for f in dataclasses.fields(self)})
+
+
+def _scatter(rows: list[np.ndarray], mask: torch.Tensor, fill: float, dtype: torch.dtype) -> torch.Tensor:
+    """Place each row's per-completion-token values at its completion positions. -> (B, T)."""
+    out = torch.full(mask.shape, fill, dtype=dtype)
+    if rows:
+        # completion positions of a row are contiguous and in order, so row-major order matches
+        out[mask] = torch.from_numpy(np.concatenate([np.asarray(r, dtype=np.float64) for r in rows])).to(dtype)
+    return out
+
+
+def to_train_batch(scored: list[ScoredRollout], pad_id: int = 0) -> TrainBatch:
+    """Scored rollouts -> padded tensors. Rejects empty completions and prompts (nothing to train on)."""
+    if not scored:
+        raise ValueError("no rollouts to train on")
+    prompts, completions = [], []
+    for i, s in enumerate(scored):
+        r = s.rollout
+        if len(r.prompt_ids) == 0 or len(r.completion_ids) == 0:
+            raise ValueError(f"rollout {i} (group {r.group_id}, sample {r.sample_index}) has an empty "
+                             f"prompt ({len(r.prompt_ids)} ids) or completion ({len(r.completion_ids)} ids)")
+        prompts.append(r.prompt_ids)
+        completions.append(r.completion_ids)
+    input_ids, attention_mask, completion_mask = pad_sequences(prompts, completions, pad_id)
+    has_ref = [s.ref_logprobs is not None for s in scored]
+    if any(has_ref) and not all(has_ref):
+        raise ValueError(f"{sum(has_ref)} of {len(scored)} rollouts carry ref_logprobs: all or none must")
+    return TrainBatch(
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        completion_mask=completion_mask,
+        behav_logprobs=_scatter([s.rollout.behav_logprobs for s in scored], completion_mask, 0.0, torch.float32),
+        versions=_scatter([s.rollout.versions for s in scored], completion_mask, -1, torch.long),
+        rewards=torch.tensor([float(s.reward) for s in scored], dtype=torch.float32),
+        group_ids=torch.tensor([int(s.rollout.group_id) for s in scored], dtype=torch.long),
+        ref_logprobs=_scatter([s.ref_logprobs for s in scored], completion_mask, 0.0, torch.float32)
+        if all(has_ref) else None,
+    )
+
+
+def split_evenly(idx: torch.Tensor, n: int) -> list[torch.Tensor]:
+    """`idx` into `n` consecutive chunks whose sizes differ by at most one (none empty)."""
+    if len(idx) < n:
+        raise ValueError(f"cannot split {len(idx)} samples into {n} non-empty chunks")
+    return [c for c in torch.tensor_split(idx, n)]
+
+
+def mini_batches(size: int, num_mini_batches: int, grad_accum: int, seed: int) -> list[list[torch.Tensor]]:
+    """Shuffled row indices: `num_mini_batches` lists of `grad_accum` micro-batch index tensors.
+
+    Every rank gets the same counts whatever its share's size, because every ZeRO stage needs all
+    ranks to run the same number of forward/backward passes. `seed` fixes the shuffle (the trainer
+    derives it from the run seed, the step and the epoch, so a resumed run shuffles the same).
+    """
+    g = torch.Generator().manual_seed(seed)
+    perm = torch.randperm(size, generator=g)
+    return [split_evenly(mb, grad_accum) for mb in split_evenly(perm, num_mini_batches)]
+
+
+def staleness_stats(batch: Batch) -> dict[str, float]:
+    """Staleness of one share: step - the oldest token version of each rollout, as min/mean/max."""
+    stale = [batch.step - s.rollout.min_version for s in batch.scored if len(s.rollout.versions)] or [0]
+    return {
+        "buffer/staleness_min": float(min(stale)),
+        "buffer/staleness_mean": float(sum(stale) / len(stale)),
+        "buffer/staleness_max": float(max(stale)),
+    }
+
+
+def buffer_stats(batch: Batch) -> dict[str, float]:
+    """The buffer's own numbers about this share (`Batch.stats`), under `buffer/`."""
+    return {k if "/" in k else f"buffer/{k}": float(v) for k, v in batch.stats.items()}

@@ -1,0 +1,128 @@
+"""Checkpoints: `<run_dir>/checkpoints/step_N/`, N = steps done = the policy version of the weights.
+
+A folder holds
+  config.json, model.safetensors, generation_config.json, tokenizer files   HF format (transformers, vLLM)
+  deepspeed/        engine.save_checkpoint of the policy (optimizer, LR schedule, ZeRO partitions)
+  critic/           the same for the critic (PPO with GAE only)
+  trainer_state.json  {"step": N, ...}: the next step to train and ask the buffer for
+and `<run_dir>/checkpoints/latest` names the newest complete one; it is written last, so a run
+killed while saving resumes from the previous checkpoint.
+
+Saving is collective (ZeRO gathers): every rank calls `save_checkpoint`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from learner.engine import iter_full_params
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json",
+                   "vocab.txt", "merges.txt", "tokenizer.model", "added_tokens.json", "chat_template.jinja",
+                   "chat_template.json")
+
+
+def checkpoints_dir(run_dir: str | Path) -> Path:
+    return Path(run_dir) / "checkpoints"
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def save_hf(engine, out: Path, tokenizer_src: str | Path) -> None:
+    """The policy as an HF folder (collective under ZeRO-3; rank 0 writes)."""
+    from safetensors.torch import save_file
+
+    state = dict(iter_full_params(engine))  # empty except on rank 0
+    if dist.get_rank() != 0:
+        return
+    out.mkdir(parents=True, exist_ok=True)
+    model = engine.module
+    # tied weights are one parameter in named_parameters(): the file holds it once, as HF does
+    save_file({k: v.contiguous() for k, v in state.items()}, str(out / "model.safetensors"),
+              metadata={"format": "pt"})
+    config = model.config
+    config.dtype = next(iter(state.values())).dtype if state else torch.float32
+    config.save_pretrained(out)
+    if getattr(model, "generation_config", None) is not None:
+        model.generation_config.save_pretrained(out)
+    src = Path(tokenizer_src)
+    for name in TOKENIZER_FILES:
+        if (src / name).is_file():
+            shutil.copy2(src / name, out / name)
+
+
+def save_checkpoint(run_dir: str | Path, step: int, policy, critic=None, tokenizer_src: str | Path = "",
+                    extra: dict[str, Any] | None = None, keep: int = 0) -> Path:
+    """Save everything needed to continue at `step`; returns the folder. Called on every rank."""
+    root = checkpoints_dir(run_dir)
+    out = root / f"step_{step}"
+    if dist.get_rank() == 0:
+        if out.exists():  # a half-written one from a killed run
+            shutil.rmtree(out)
+        out.mkdir(parents=True)
+    dist.barrier()
+    save_hf(policy, out, tokenizer_src)
+    policy.save_checkpoint(str(out / "deepspeed"), tag="state", save_latest=False)
+    if critic is not None:
+        critic.save_checkpoint(str(out / "critic"), tag="state", save_latest=False)
+    dist.barrier()
+    if dist.get_rank() == 0:
+        # `step` is both the next step to train and the next batch to ask the buffer for (its data position)
+        state = {"step": step, "version": step, "next_batch_step": step, "world_size": dist.get_world_size(),
+                 "saved_at": time.time(), **(extra or {})}
+        _write_atomic(out / "trainer_state.json", json.dumps(state, indent=2) + "\n")
+        _write_atomic(root / "latest", out.name + "\n")
+        if keep:
+            for old in list_checkpoints(run_dir)[:-keep]:
+                shutil.rmtree(old, ignore_errors=True)
+    dist.barrier()
+    return out
+
+
+def list_checkpoints(run_dir: str | Path) -> list[Path]:
+    """Complete checkpoints (with trainer_state.json), oldest first."""
+    root = checkpoints_dir(run_dir)
+    if not root.is_dir():
+        return []
+    found = [p for p in root.glob("step_*") if (p / "trainer_state.json").is_file() and p.name[5:].isdigit()]
+    return sorted(found, key=lambda p: int(p.name[5:]))
+
+
+def latest_checkpoint(run_dir: str | Path) -> Path | None:
+    """The folder `latest` names, else the newest complete one, else None."""
+    root = checkpoints_dir(run_dir)
+    marker = root / "latest"
+    if marker.is_file():
+        p = root / marker.read_text().strip()
+        if (p / "trainer_state.json").is_file():
+            return p
+    found = list_checkpoints(run_dir)
+    return found[-1] if found else None
+
+
+def load_checkpoint(path: str | Path, policy, critic=None) -> dict[str, Any]:
+    """Restore the engines (weights, optimizer, LR schedule) from `path`; returns trainer_state.json."""
+    path = Path(path)
+    state = json.loads((path / "trainer_state.json").read_text())
+    load_path, _ = policy.load_checkpoint(str(path / "deepspeed"), tag="state",
+                                          load_optimizer_states=True, load_lr_scheduler_states=True)
+    if load_path is None:
+        raise RuntimeError(f"DeepSpeed found no policy state under {path / 'deepspeed'}")
+    if critic is not None:
+        load_path, _ = critic.load_checkpoint(str(path / "critic"), tag="state",
+                                              load_optimizer_states=True, load_lr_scheduler_states=True)
+        if load_path is None:
+            raise RuntimeError(f"DeepSpeed found no critic state under {path / 'critic'}")
+    return state

@@ -1,0 +1,172 @@
+"""DeepSpeed setup: process group, config dict, the policy and critic engines, full-parameter gathering.
+
+Checked on CPU (DeepSpeed 0.19.8, torch 2.13 CPU, gloo): ZeRO 0-3 with `torch.optim.AdamW` passed
+to `deepspeed.initialize` (no compiled CPU Adam needed), two ranks under either
+`deepspeed --num_gpus 2` or `torchrun --nproc_per_node 2`. The first `init_distributed` on a
+machine compiles DeepSpeed's shared-memory comm op (~40 s, cached under ~/.cache/torch_extensions).
+
+ZeRO-3 note: models are loaded whole on every rank and partitioned by `deepspeed.initialize`
+(`deepspeed.zero.Init` through transformers needs `accelerate`, which this stack does not ship);
+fine for models that fit in each rank's host memory.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from typing import Iterator
+
+import torch
+import torch.nn as nn
+
+from learner.config import LearnerConfig
+
+
+_SET_LOCAL_RANK = [False]
+
+
+def init_distributed(cfg: LearnerConfig) -> tuple[int, int, torch.device]:
+    """Join (or, alone, create) the default process group. Returns (rank, world_size, device).
+
+    Under a launcher (deepspeed, torchrun) the environment names the rank and the rendezvous. A
+    process started with plain `python` is a world of one: its group lives in an in-memory store
+    (no port, nothing in os.environ but the LOCAL_RANK DeepSpeed insists on), so the learner can
+    run inside another program, e.g. a test. That group stays for the life of the process
+    (DeepSpeed caches it), and a second `run` there reuses it.
+    """
+    import deepspeed
+    import torch.distributed as dist
+
+    backend = cfg.dist_backend
+    if backend == "auto":
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if backend == "nccl":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    if not dist.is_initialized() and "RANK" not in os.environ and "OMPI_COMM_WORLD_RANK" not in os.environ:
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+    if dist.is_initialized() and dist.get_world_size() == 1 and "LOCAL_RANK" not in os.environ:
+        os.environ["LOCAL_RANK"] = "0"  # deepspeed.initialize asserts it is set
+        _SET_LOCAL_RANK[0] = True
+    deepspeed.init_distributed(dist_backend=backend)
+    device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
+    return dist.get_rank(), dist.get_world_size(), device
+
+
+def shutdown_distributed() -> None:
+    """Undo what `init_distributed` put in os.environ for a world of one (the group itself stays)."""
+    if _SET_LOCAL_RANK[0]:
+        os.environ.pop("LOCAL_RANK", None)
+        _SET_LOCAL_RANK[0] = False
+
+
+def deepspeed_config(cfg: LearnerConfig) -> dict:
+    """The DeepSpeed config dict for LearnerConfig (the optimizer and schedule are passed as objects)."""
+    return {
+        # DeepSpeed only uses the micro-batch size for bookkeeping; our micro-batches are split by count
+        "train_micro_batch_size_per_gpu": 1,
+        "gradient_accumulation_steps": cfg.gradient_accumulation_steps,
+        "gradient_clipping": cfg.max_grad_norm,
+        "zero_optimization": {"stage": cfg.zero_stage},
+        "bf16": {"enabled": cfg.dtype == "bfloat16"},
+        "zero_allow_untested_optimizer": True,
+        "steps_per_print": 1 << 30,
+        "wall_clock_breakdown": False,
+    }
+
+
+def lr_lambda(cfg: LearnerConfig, total_updates: int):
+    """Multiplier of the peak lr after `n` optimizer steps: linear warm-up, then constant / linear / cosine."""
+    warmup = cfg.warmup_steps
+    floor = cfg.min_lr_ratio
+
+    def f(n: int) -> float:
+        if n < warmup:
+            return (n + 1) / (warmup + 1)
+        if cfg.lr_schedule == "constant":
+            return 1.0
+        progress = min(1.0, (n - warmup) / max(1, total_updates - warmup))
+        if cfg.lr_schedule == "linear":
+            return floor + (1 - floor) * (1 - progress)
+        return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress))
+
+    return f
+
+
+def _initialize(model: nn.Module, cfg: LearnerConfig, lr: float):
+    import deepspeed
+
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=lr, betas=tuple(cfg.adam_betas), eps=cfg.adam_eps,
+                                  weight_decay=cfg.weight_decay)
+    total_updates = cfg.total_steps * cfg.updates_per_step
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg, total_updates))
+    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=scheduler,
+                                           config=deepspeed_config(cfg))
+    return engine
+
+
+def build_policy_engine(cfg: LearnerConfig):
+    """The policy (any AutoModelForCausalLM folder) wrapped in a DeepSpeed engine with AdamW."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(cfg.model_path, dtype=torch.float32)
+    model.config.use_cache = False
+    if cfg.gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    return _initialize(model, cfg, cfg.lr)
+
+
+class ValueModel(nn.Module):
+    """A critic: a transformer backbone (`AutoModel`, the causal LM without its head) + a linear value head.
+
+    forward(input_ids, attention_mask) -> values (B, L): the value of the state after each position.
+    """
+
+    def __init__(self, path: str):
+        super().__init__()
+        from transformers import AutoModel
+
+        self.backbone = AutoModel.from_pretrained(path, dtype=torch.float32)
+        self.backbone.config.use_cache = False
+        self.value_head = nn.Linear(self.backbone.config.hidden_size, 1)
+        # start from V = 0 everywhere: the first advantages are then the plain returns
+        nn.init.zeros_(self.value_head.weight)
+        nn.init.zeros_(self.value_head.bias)
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        hidden = self.backbone(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).last_hidden_state
+        return self.value_head(hidden.to(self.value_head.weight.dtype)).squeeze(-1).float()  # (B, L)
+
+
+def build_critic_engine(cfg: LearnerConfig):
+    """The critic for PPO's GAE, trained on the same ranks with its own AdamW (lr = critic_lr)."""
+    model = ValueModel(cfg.critic_path or cfg.model_path)
+    if cfg.gradient_checkpointing:
+        model.backbone.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    return _initialize(model, cfg, cfg.critic_lr)
+
+
+def is_zero3(engine) -> bool:
+    return engine.zero_optimization_stage() == 3
+
+
+def iter_full_params(engine) -> Iterator[tuple[str, torch.Tensor]]:
+    """(HF name, full CPU tensor) for every parameter of the engine's model, yielded on rank 0 only.
+
+    Under ZeRO-3 each parameter is gathered from its partitions first, which is a collective:
+    every rank must walk this iterator to the end (the others get nothing), in step with rank 0.
+    Names are the module's own (`model.layers.0.self_attn.q_proj.weight`, ...), i.e. HF naming
+    for a policy loaded with AutoModelForCausalLM.
+    """
+    import deepspeed
+    import torch.distributed as dist
+
+    rank0 = dist.get_rank() == 0
+    zero3 = is_zero3(engine)
+    for name, p in engine.module.named_parameters():
+        if zero3:
+            with deepspeed.zero.GatheredParameters([p], modifier_rank=None):
+                if rank0:
+                    yield name, p.detach().to("cpu", copy=True)
+        elif rank0:
+            yield name, p.detach().to("cpu", copy=True)

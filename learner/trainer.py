@@ -1,0 +1,388 @@
+"""The learner's loop: one DeepSpeed rank of the RL trainer, read top to bottom.
+
+Step N turns the version-N weights into version N + 1:
+  1. every rank asks the buffer for its share of step N's batch (whole prompt groups);
+  2. the proximal log-probs pi_old (and the critic's old values) are computed with no grad;
+  3. the behaviour correction w = pi_old / mu and the advantages are computed once;
+  4. ppo_epochs x num_mini_batches optimizer steps, each over gradient_accumulation_steps micro-batches;
+  5. the weights are now version N + 1: rank 0 publishes them (every sync_every steps) and tells
+     the buffer, which admits new leases against it;
+  6. metrics are logged, and a checkpoint saved every save_every steps (and at the end).
+
+Losses are normalised over the whole mini-batch of all ranks (token or sequence counts are summed
+over ranks first), so the gradient does not depend on how the batch was split.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+import time
+from collections import defaultdict
+
+import torch
+import torch.distributed as dist
+
+from buffer.client import BufferClient, BufferDone, BufferError
+from learner.advantages import (broadcast, gae_advantages, grpo_advantages, reinforce_pp_advantages,
+                                rloo_advantages, token_rewards, whiten)
+from learner.batching import (TrainBatch, buffer_stats, mini_batches, split_evenly, staleness_stats,
+                              to_train_batch)
+from learner.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from learner.config import LearnerConfig
+from learner.engine import (build_critic_engine, build_policy_engine, init_distributed, iter_full_params,
+                            shutdown_distributed)
+from learner.losses import aggregate, behaviour_correction, kl_penalty, policy_loss, value_loss
+from learner.metrics import MetricsWriter
+from learner.modeling import entropy_from_logits, gather_logprobs, masked_mean
+
+
+def log(msg: str) -> None:
+    print(f"learner: {msg}", file=sys.stderr, flush=True)
+
+
+def run(cfg: LearnerConfig, source=None) -> dict[str, float]:
+    """Train until `total_steps` or until the buffer is done; returns the last step's metrics.
+
+    `source` answers `get_batch(step, rank, world_size, timeout_s=...)` and `set_version(v)`;
+    default: a `BufferClient` at the configured buffer.
+    """
+    rank, world, device = init_distributed(cfg)
+    try:
+        return train(cfg, source, rank, world, device)
+    finally:
+        shutdown_distributed()
+
+
+def train(cfg: LearnerConfig, source, rank: int, world: int, device: torch.device) -> dict[str, float]:
+    """The loop itself, on a rank of an initialised process group."""
+    torch.manual_seed(cfg.seed)
+    policy = build_policy_engine(cfg)
+    critic = build_critic_engine(cfg) if cfg.advantage_estimator == "gae" else None
+    pad_id = policy.module.config.pad_token_id or 0
+
+    step = 0
+    if cfg.resume and (ckpt := latest_checkpoint(cfg.run_dir)) is not None:
+        step = int(load_checkpoint(ckpt, policy, critic)["step"])
+        if rank == 0:
+            log(f"resumed from {ckpt} at step {step}")
+    start_step = step
+
+    own_source = source is None
+    if own_source:
+        # one request may wait a minute for an answer; a batch may take batch_timeout_s to be ready
+        source = BufferClient(cfg.buffer_host or "127.0.0.1", cfg.buffer_port or 5555,
+                              timeout_s=min(60.0, cfg.batch_timeout_s))
+    writer = None
+    sender = None
+    if rank == 0:
+        writer = MetricsWriter(cfg.run_dir, cfg.tensorboard, cfg.wandb_project, config=dataclasses.asdict(cfg))
+        if cfg.weight_sync_port:
+            from weight_sync.sender import WeightSender
+
+            sender = WeightSender(cfg.weight_sync_host, cfg.weight_sync_port, cfg.weight_sync_timeout_s)
+        tell_version(source, step)
+        print(f"learner ready: {world} rank(s), ZeRO-{cfg.zero_stage}, {cfg.dtype}, {cfg.advantage_estimator}, "
+              f"steps {step}..{cfg.total_steps - 1}", flush=True)
+    if step > 0 and cfg.weight_sync_port:
+        publish(sender, policy, step, rank)  # generators need the resumed weights before new leases
+
+    last: dict[str, float] = {}
+    saved_step = step
+    while step < cfg.total_steps:
+        t0 = time.monotonic()
+        batch = fetch_batch(source, step, rank, world, cfg, device)
+        if batch is None:
+            if rank == 0:
+                log(f"buffer is done at step {step}")
+            break
+        t_wait = time.monotonic() - t0
+
+        tb = to_train_batch(batch.scored, pad_id).to(device)
+        t1 = time.monotonic()
+        metrics = train_step(cfg, policy, critic, tb, step, world)
+        t_train = time.monotonic() - t1
+        trained_step, step = step, step + 1  # the weights are now version `step`
+
+        t2 = time.monotonic()
+        if cfg.weight_sync_port and step % cfg.sync_every == 0:
+            publish(sender, policy, step, rank)
+        t_publish = time.monotonic() - t2
+        if rank == 0:
+            tell_version(source, step)
+
+        t3 = time.monotonic()
+        if cfg.save_every and step % cfg.save_every == 0:
+            save_checkpoint(cfg.run_dir, step, policy, critic, cfg.model_path, keep=cfg.keep_checkpoints)
+            saved_step = step
+        t_save = time.monotonic() - t3
+
+        metrics.update(staleness_stats(batch))
+        metrics.update({"time/wait_for_batch": t_wait, "time/train_step": t_train,
+                        "time/publish": t_publish, "time/save": t_save})
+        metrics = reduce_across_ranks(metrics, device)
+        metrics["perf/tokens_per_s"] = metrics["perf/tokens"] / max(metrics["time/train_step"], 1e-9)
+        if rank == 0:
+            # the buffer's own numbers are rank 0's share's (their keys may differ between ranks)
+            for k, v in buffer_stats(batch).items():
+                metrics.setdefault(k, v)
+            writer.log(trained_step, metrics)
+            log(f"step {trained_step}: loss {metrics['loss/policy']:.4f} reward {metrics['reward/mean']:.3f} "
+                f"staleness {metrics.get('buffer/staleness_mean', 0):.2f} wait {t_wait:.2f}s train {t_train:.2f}s")
+        last = metrics
+
+    if step > start_step and saved_step != step:
+        save_checkpoint(cfg.run_dir, step, policy, critic, cfg.model_path, keep=cfg.keep_checkpoints)
+    if writer is not None:
+        writer.close()
+    if sender is not None:
+        sender.close()
+    if own_source:
+        source.close()
+    return last
+
+
+# ------------------------------------------------------------------------------------------------
+# one step
+
+
+def train_step(cfg: LearnerConfig, policy, critic, tb: TrainBatch, step: int, world: int) -> dict[str, float]:
+    """Steps 2-4 of the loop on this rank's share `tb`; returns metrics (this rank's; the loop reduces)."""
+    grad_accum = cfg.gradient_accumulation_steps
+    n_chunks = cfg.num_mini_batches * grad_accum  # every rank runs this many forwards per pass
+    if cfg.kl_coef > 0 and tb.ref_logprobs is None:
+        raise ValueError(f"learner.kl_coef={cfg.kl_coef} needs ref_logprobs, but step {step}'s rollouts "
+                         f"carry none: run a reference scorer or set kl_coef=0")
+    mask = tb.completion_mask
+
+    # 2. pi_old: the weights at the start of the step, no grad (and the critic's values)
+    tb.prox_logprobs = forward_in_chunks(lambda mb: token_logprobs(policy, mb, cfg.temperature), tb, n_chunks)
+    if critic is not None:
+        tb.old_values = forward_in_chunks(lambda mb: critic(mb.input_ids, mb.attention_mask)[:, :-1], tb, n_chunks)
+
+    # 3. behaviour correction and advantages, fixed for the whole step
+    tb.weights, tb.loss_mask, behav = behaviour_correction(
+        tb.prox_logprobs, tb.behav_logprobs, mask, cfg.behav_correction, cfg.behav_tis_cap,
+        cfg.behav_low, cfg.behav_high, cfg.behav_mask_level)
+    kl_ref = None
+    if tb.ref_logprobs is not None:
+        kl_ref = kl_penalty(tb.prox_logprobs, tb.ref_logprobs, cfg.kl_estimator) * mask  # (B, T)
+    tb.advantages, tb.returns = compute_advantages(cfg, tb, kl_ref, sum_fn=all_reduce_sum if world > 1 else None)
+
+    metrics: dict[str, float] = {
+        "reward/mean": float(tb.rewards.mean()),
+        "reward/std": float(tb.rewards.std()) if tb.size > 1 else 0.0,
+        "advantages/mean": float(masked_mean(tb.advantages, mask)),
+        "advantages/std": float(masked_mean((tb.advantages - masked_mean(tb.advantages, mask)).square(), mask).sqrt()),
+        "policy/kl_to_ref": float(masked_mean(kl_ref, mask)) if kl_ref is not None else 0.0,
+        "perf/tokens": float(tb.attention_mask.sum()),
+        "perf/samples": float(tb.size),
+        "perf/completion_len": float(mask.sum(-1).float().mean()),
+        **{f"policy/{k}": v for k, v in behav.items()},
+    }
+
+    # 4. the updates
+    sums: dict[str, float] = defaultdict(float)
+    grad_norms, critic_grad_norms = [], []
+    for epoch in range(cfg.ppo_epochs):
+        for micro in mini_batches(tb.size, cfg.num_mini_batches, grad_accum, seed=shuffle_seed(cfg, step, epoch)):
+            num_tokens, num_seqs = mini_batch_denominators(tb.loss_mask, micro, world, grad_accum)
+            for idx in micro:
+                mb = tb.select(idx)
+                out = policy(input_ids=mb.input_ids, attention_mask=mb.attention_mask, use_cache=False)
+                logits = out.logits[:, :-1]  # (b, t, V): position t predicts token t + 1
+                logprobs = gather_logprobs(logits, mb.input_ids[:, 1:], cfg.temperature)  # (b, t)
+                pg_loss, pg = policy_loss(
+                    logprobs, mb.prox_logprobs, mb.advantages, mb.loss_mask, mb.weights,
+                    cfg.clip_eps_low, cfg.clip_eps_high, cfg.dual_clip_c, cfg.loss_agg, num_tokens, num_seqs)
+                loss = pg_loss
+                if cfg.kl_coef > 0 and cfg.kl_in == "loss":
+                    kl = aggregate(kl_penalty(logprobs, mb.ref_logprobs, cfg.kl_estimator), mb.loss_mask,
+                                   cfg.loss_agg, num_tokens, num_seqs)
+                    loss = loss + cfg.kl_coef * kl
+                    sums["loss/kl"] += kl.item() / grad_accum
+                if cfg.entropy_coef > 0:
+                    ent = aggregate(entropy_from_logits(logits / cfg.temperature), mb.loss_mask,
+                                    cfg.loss_agg, num_tokens, num_seqs)
+                    loss = loss - cfg.entropy_coef * ent
+                    sums["policy/entropy"] += ent.item() / grad_accum
+                policy.backward(loss)
+                policy.step()  # DeepSpeed applies the update at the last micro-batch of the mini-batch
+                sums["loss/policy"] += pg_loss.item() / grad_accum
+                sums["loss/total"] += loss.item() / grad_accum
+                for k, v in pg.items():
+                    sums[f"policy/{k}"] += v / grad_accum
+
+                if critic is not None:
+                    values = critic(mb.input_ids, mb.attention_mask)[:, :-1]  # (b, t)
+                    v_loss, vm = value_loss(values, mb.old_values, mb.returns, mb.loss_mask, cfg.value_clip_eps,
+                                            cfg.loss_agg, num_tokens, num_seqs)
+                    critic.backward(v_loss)
+                    critic.step()
+                    sums["loss/value"] += v_loss.item() / grad_accum
+                    for k, v in vm.items():
+                        sums[f"critic/{k}"] += v / grad_accum
+            grad_norms.append(_float(policy.get_global_grad_norm()))
+            if critic is not None:
+                critic_grad_norms.append(_float(critic.get_global_grad_norm()))
+
+    updates = cfg.updates_per_step
+    metrics.update({k: v / updates for k, v in sums.items()})
+    metrics.setdefault("loss/kl", 0.0)
+    metrics["optim/grad_norm"] = sum(grad_norms) / len(grad_norms)
+    metrics["optim/lr"] = float(policy.get_lr()[0])
+    if critic is not None:
+        metrics["optim/critic_grad_norm"] = sum(critic_grad_norms) / len(critic_grad_norms)
+    return metrics
+
+
+def compute_advantages(cfg: LearnerConfig, tb: TrainBatch, kl_ref: torch.Tensor | None,
+                       sum_fn=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Advantages and returns (B, T) by `cfg.advantage_estimator`.
+
+    With kl_in="reward", the KL to the reference (under pi_old) is folded in: per token for the
+    token-level estimators, summed over the completion for the sequence-level ones.
+    """
+    mask = tb.completion_mask
+    fold = kl_ref is not None and cfg.kl_coef > 0 and cfg.kl_in == "reward"
+    est = cfg.advantage_estimator
+    if est in ("gae", "reinforce_pp"):
+        rewards = token_rewards(tb.rewards, mask, kl_ref if fold else None, cfg.kl_coef)  # (B, T)
+        if est == "reinforce_pp":
+            return reinforce_pp_advantages(rewards, mask, cfg.gamma, cfg.adv_eps, sum_fn)
+        adv, returns = gae_advantages(rewards, tb.old_values, mask, cfg.gamma, cfg.gae_lambda)
+        return whiten(adv, mask, cfg.adv_eps, sum_fn), returns
+    rewards = tb.rewards - cfg.kl_coef * kl_ref.sum(-1) if fold else tb.rewards  # (B,)
+    if est == "grpo":
+        adv = grpo_advantages(rewards, tb.group_ids, cfg.adv_eps)
+    elif est == "dr_grpo":
+        adv = grpo_advantages(rewards, tb.group_ids, cfg.adv_eps, scale_by_std=False)
+    elif est == "rloo":
+        adv = rloo_advantages(rewards, tb.group_ids)
+    elif est == "reinforce":
+        adv = rewards
+    else:
+        raise ValueError(f"unknown advantage_estimator {est!r}")
+    adv = broadcast(adv, mask)
+    return adv, adv
+
+
+# ------------------------------------------------------------------------------------------------
+# helpers
+
+
+def token_logprobs(policy, mb: TrainBatch, temperature: float) -> torch.Tensor:
+    """log pi of every next token of micro-batch `mb`: (b, t)."""
+    logits = policy(input_ids=mb.input_ids, attention_mask=mb.attention_mask, use_cache=False).logits
+    return gather_logprobs(logits[:, :-1], mb.input_ids[:, 1:], temperature)
+
+
+@torch.no_grad()
+def forward_in_chunks(fn, tb: TrainBatch, n_chunks: int) -> torch.Tensor:
+    """fn over `n_chunks` slices of the share, reassembled to (B, T) (0 off the completion)."""
+    out = torch.zeros(tb.completion_mask.shape, dtype=torch.float32, device=tb.input_ids.device)
+    for idx in split_evenly(torch.arange(tb.size), n_chunks):
+        v = fn(tb.select(idx)).float()  # (b, t) with t <= T (the slice is trimmed)
+        out[idx.to(out.device), : v.shape[1]] = v
+    return out * tb.completion_mask
+
+
+def mini_batch_denominators(loss_mask: torch.Tensor, micro: list[torch.Tensor], world: int,
+                            grad_accum: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-micro-batch token and sequence denominators that make the summed gradient the mini-batch mean.
+
+    DeepSpeed divides each micro-batch's loss by grad_accum and averages gradients over ranks, so
+    a micro-batch's token sum is divided by (tokens of the mini-batch on all ranks) / (world * grad_accum).
+    """
+    idx = torch.cat(micro).to(loss_mask.device)
+    counts = torch.stack([loss_mask[idx].sum(), loss_mask[idx].any(-1).sum()]).double()  # (2,)
+    if world > 1:
+        counts = all_reduce_sum(counts)
+    counts = counts.clamp_min(1.0) / (world * grad_accum)
+    return counts[0].float(), counts[1].float()
+
+
+def shuffle_seed(cfg: LearnerConfig, step: int, epoch: int) -> int:
+    return (cfg.seed * 1_000_003 + step * 1_009 + epoch) % (2**63)
+
+
+def all_reduce_sum(t: torch.Tensor) -> torch.Tensor:
+    t = t.clone()
+    dist.all_reduce(t, op=dist.ReduceOp.SUM)
+    return t
+
+
+def reduce_across_ranks(metrics: dict[str, float], device: torch.device) -> dict[str, float]:
+    """Mean over ranks; `*_min` keys take the min, `*_max` the max, `perf/tokens|samples` the sum.
+
+    Every rank must pass the same keys (the loop builds them the same way on each).
+    """
+    world = dist.get_world_size()
+    if world == 1:
+        return dict(metrics)
+    keys = sorted(metrics)
+    out = {}
+    groups = {"min": [k for k in keys if k.endswith("_min")], "max": [k for k in keys if k.endswith("_max")]}
+    groups["sum"] = [k for k in keys if k in ("perf/tokens", "perf/samples")]
+    taken = set(groups["min"]) | set(groups["max"]) | set(groups["sum"])
+    groups["mean"] = [k for k in keys if k not in taken]
+    ops = {"min": dist.ReduceOp.MIN, "max": dist.ReduceOp.MAX, "sum": dist.ReduceOp.SUM, "mean": dist.ReduceOp.SUM}
+    for kind, ks in groups.items():
+        if not ks:
+            continue
+        t = torch.tensor([metrics[k] for k in ks], dtype=torch.float64, device=device)
+        dist.all_reduce(t, op=ops[kind])
+        if kind == "mean":
+            t = t / world
+        out.update(zip(ks, t.tolist()))
+    return out
+
+
+def fetch_batch(source, step: int, rank: int, world: int, cfg: LearnerConfig, device: torch.device):
+    """This rank's share of step `step`, or None when the buffer is done. All ranks agree on which."""
+    batch, code, why = None, 0, ""  # -1: failed, 0: done, 1: unusable share, 2: fine
+    try:
+        batch = source.get_batch(step, rank, world, timeout_s=cfg.batch_timeout_s)
+        need = cfg.num_mini_batches * cfg.gradient_accumulation_steps
+        code = 2 if len(batch.scored) >= need else 1
+    except BufferDone:
+        pass
+    except (TimeoutError, BufferError, OSError) as e:
+        code, why = -1, f"{type(e).__name__}: {e}"
+    flag = torch.tensor([code], device=device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN)  # one rank's trouble stops them all, together
+    if flag.item() == -1:
+        raise RuntimeError(f"rank {rank} got no batch for step {step} (batch_timeout_s={cfg.batch_timeout_s}): "
+                           + (why or "another rank failed to get its share"))
+    if flag.item() == 0:
+        return None
+    if flag.item() == 1:
+        raise RuntimeError(
+            f"a rank's share of step {step} has fewer rollouts than num_mini_batches x gradient_accumulation_steps "
+            f"= {cfg.num_mini_batches * cfg.gradient_accumulation_steps} (this rank: "
+            f"{len(batch.scored) if batch else 0}); raise buffer.prompts_per_step or lower those")
+    return batch
+
+
+def publish(sender, policy, version: int, rank: int) -> None:
+    """Rank 0 sends the full weights to the weight-sync service; under ZeRO-3 every rank helps gather."""
+    params = iter_full_params(policy)
+    if rank == 0:
+        stats = sender.publish(version, params) or {}
+        if stats.get("error") or stats.get("failed"):
+            log(f"weight sync of version {version}: error {stats.get('error')!r}, failed {stats.get('failed')}")
+    for _ in params:  # other ranks (and rank 0, if the sender stopped early) finish the gathers
+        pass
+
+
+def tell_version(source, version: int) -> None:
+    try:
+        source.set_version(version)
+    except (BufferError, TimeoutError) as e:
+        log(f"could not tell the buffer version {version}: {e}")
+
+
+def _float(x) -> float:
+    if x is None:
+        return float("nan")
+    return float(x.item() if hasattr(x, "item") else x)

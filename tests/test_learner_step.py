@@ -1,0 +1,193 @@
+"""One learner step on the tiny model, in-process (a world of one), with rollouts built by hand.
+
+Also home of the helpers the other learner tests use to fabricate rollouts (`make_group`, `ListSource`).
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from buffer.client import BufferDone
+from buffer.protocol import Batch, Rollout, ScoredRollout
+from learner.batching import mini_batches, to_train_batch
+from learner.config import LearnerConfig
+
+VOCAB_LO, VOCAB_HI = 4, 70  # ordinary character tokens of the tiny tokenizer (ids 0-3 are specials)
+
+
+def make_group(group_id: int, n: int, rewards, version: int = 0, seed: int = 0, behav_model=None,
+               with_ref: bool = False, lease_id: int = 0) -> list[ScoredRollout]:
+    """n scored completions of one random prompt. behav_logprobs come from `behav_model` when given
+    (so w = pi_old / mu is 1 at the start), else are random log-probs."""
+    rng = np.random.default_rng(seed * 100_003 + group_id)
+    prompt = rng.integers(VOCAB_LO, VOCAB_HI, size=int(rng.integers(3, 7))).astype(np.int32)
+    completions = [rng.integers(VOCAB_LO, VOCAB_HI, size=int(rng.integers(2, 9))).astype(np.int32) for _ in range(n)]
+    if behav_model is not None:
+        from learner.modeling import completion_logprobs
+
+        behav = [lp.numpy().astype(np.float32) for lp in completion_logprobs(behav_model, [prompt] * n, completions)]
+    else:
+        behav = [np.log(rng.uniform(0.05, 0.9, size=len(c))).astype(np.float32) for c in completions]
+    out = []
+    for i, c in enumerate(completions):
+        r = Rollout(group_id=group_id, sample_index=i, lease_id=lease_id, prompt_ids=prompt, completion_ids=c,
+                    behav_logprobs=behav[i], versions=np.full(len(c), version, dtype=np.int32),
+                    finish_reason="length", worker_id="test")
+        ref = (behav[i] - np.float32(0.05)) if with_ref else None
+        out.append(ScoredRollout(rollout=r, reward=float(rewards[i]), ref_logprobs=ref))
+    return out
+
+
+class ListSource:
+    """Stands in for the buffer: step -> the whole step's scored rollouts, split by whole groups."""
+
+    def __init__(self, steps: dict[int, list[ScoredRollout]]):
+        self.steps = steps
+        self.versions: list[int] = []
+
+    def get_batch(self, step, rank=0, world_size=1, timeout_s=None):
+        if step not in self.steps:
+            raise BufferDone("no more data")
+        groups = sorted({s.rollout.group_id for s in self.steps[step]})
+        mine = set(groups[rank::world_size])
+        scored = [s for s in self.steps[step] if s.rollout.group_id in mine]
+        return Batch(step=step, rank=rank, world_size=world_size, scored=scored, stats={"queued_groups": 3.0})
+
+    def set_version(self, version):
+        self.versions.append(version)
+
+    def close(self):
+        pass
+
+
+def test_to_train_batch_places_completion_tokens():
+    scored = make_group(0, 2, [1.0, 0.0], version=3)
+    tb = to_train_batch(scored, pad_id=0)
+    for b, s in enumerate(scored):
+        p, c = s.rollout.prompt_ids, s.rollout.completion_ids
+        m = tb.completion_mask[b]
+        # the completion tokens are predicted from positions len(p)-1 .. len(p)+len(c)-2
+        assert m.nonzero().flatten().tolist() == list(range(len(p) - 1, len(p) + len(c) - 1))
+        assert tb.input_ids[b, 1:][m].tolist() == c.tolist()
+        assert np.allclose(tb.behav_logprobs[b][m].numpy(), s.rollout.behav_logprobs)
+        assert (tb.versions[b][m] == 3).all() and (tb.versions[b][~m] == -1).all()
+    assert tb.rewards.tolist() == [1.0, 0.0] and tb.ref_logprobs is None
+    # a micro-batch of the shorter row is trimmed to that row's length
+    short = int(tb.attention_mask.sum(-1).argmin())
+    sub = tb.select(torch.tensor([short]))
+    assert sub.input_ids.shape[1] == int(tb.attention_mask[short].sum())
+
+
+def test_mini_batches_cover_every_row_once():
+    mbs = mini_batches(10, num_mini_batches=2, grad_accum=3, seed=7)
+    assert len(mbs) == 2 and all(len(mb) == 3 for mb in mbs)
+    rows = sorted(torch.cat([i for mb in mbs for i in mb]).tolist())
+    assert rows == list(range(10))
+    assert [i.tolist() for mb in mbs for i in mb] == [i.tolist() for mb in mini_batches(10, 2, 3, 7) for i in mb]
+
+
+def test_config_errors_quote_bad_values():
+    cfg = LearnerConfig(model_path="m", clip_eps_low=1.5, behav_low=3.0, behav_high=2.0, dual_clip_c=0.5)
+    with pytest.raises(ValueError) as e:
+        cfg.validate()
+    msg = str(e.value)
+    assert "clip_eps_low=1.5" in msg and "behav_low=3.0" in msg and "dual_clip_c=0.5" in msg
+
+
+def test_one_step_with_positive_advantages_raises_logprobs(tiny_model_dir, tmp_path):
+    from learner.metrics import read_metrics
+    from learner.modeling import completion_logprobs, load_causal_lm
+    from learner.trainer import run
+
+    model = load_causal_lm(str(tiny_model_dir))
+    # two groups of 4, every reward 1: with `reinforce` (A = reward) every advantage is +1
+    scored = make_group(0, 4, [1.0] * 4, behav_model=model) + make_group(1, 4, [1.0] * 4, behav_model=model)
+    prompts = [s.rollout.prompt_ids for s in scored]
+    completions = [s.rollout.completion_ids for s in scored]
+    before = torch.stack([lp.sum() for lp in completion_logprobs(model, prompts, completions)])
+
+    cfg = LearnerConfig(model_path=str(tiny_model_dir), run_dir=str(tmp_path / "run"), total_steps=1,
+                        advantage_estimator="reinforce", lr=1e-3, zero_stage=2, gradient_accumulation_steps=2,
+                        tensorboard=True)
+    cfg.validate()
+    source = ListSource({0: scored})
+    last = run(cfg, source=source)
+
+    after_model = load_causal_lm(str(tmp_path / "run" / "checkpoints" / "step_1"))  # the HF checkpoint loads
+    after = torch.stack([lp.sum() for lp in completion_logprobs(after_model, prompts, completions)])
+    assert (after > before).all(), (before, after)
+    # the behaviour log-probs were the model's own: w = 1 exactly, nothing clipped or masked
+    assert last["policy/ess"] == pytest.approx(1.0) and last["policy/masked_frac"] == 0.0
+    assert last["policy/behav_prox_kl"] == pytest.approx(0.0, abs=1e-6)
+    assert last["advantages/mean"] == pytest.approx(1.0) and last["reward/mean"] == 1.0
+    assert last["policy/clip_frac"] == 0.0
+    assert source.versions == [0, 1]  # the buffer was told the version at the start and after the step
+    rows = read_metrics(tmp_path / "run")
+    assert [r["step"] for r in rows] == [0]
+    for key in ("loss/policy", "loss/kl", "policy/ess", "optim/grad_norm", "optim/lr", "perf/tokens_per_s",
+                "buffer/staleness_mean", "buffer/queued_groups", "time/wait_for_batch", "time/train_step"):
+        assert key in rows[0], key
+    assert rows[0]["optim/grad_norm"] > 0
+    assert list((tmp_path / "run" / "tensorboard").glob("events.out.tfevents.*"))
+    state = json.loads((tmp_path / "run" / "checkpoints" / "step_1" / "trainer_state.json").read_text())
+    assert state["step"] == 1
+
+
+def test_ppo_critic_fits_the_returns(tiny_model_dir, tmp_path):
+    """PPO with GAE: the critic (AutoModel backbone + value head) trains on the same rank; fed the
+    same batch three times, its clipped value loss falls."""
+    from learner.metrics import read_metrics
+    from learner.trainer import run
+
+    scored = make_group(0, 4, [1.0, 0.0, 0.5, 0.2]) + make_group(1, 4, [0.0, 0.3, 1.0, 1.0])
+    cfg = LearnerConfig(model_path=str(tiny_model_dir), run_dir=str(tmp_path / "run"), total_steps=3,
+                        advantage_estimator="gae", gae_lambda=0.95, critic_lr=3e-3, value_clip_eps=10.0,
+                        lr=1e-4, zero_stage=2, tensorboard=False)
+    cfg.validate()
+    run(cfg, source=ListSource({0: scored, 1: scored, 2: scored}))
+    rows = read_metrics(tmp_path / "run")
+    values = [r["loss/value"] for r in rows]
+    assert len(values) == 3 and values[2] < values[0], values
+    assert all(r["advantages/std"] == pytest.approx(1.0, abs=1e-3) for r in rows)  # PPO whitens
+    assert (tmp_path / "run" / "checkpoints" / "step_3" / "critic" / "state").is_dir()
+
+
+def test_rank0_publishes_full_weights_every_sync(tiny_model_dir, tmp_path, monkeypatch):
+    """The weight-sync call site, with a stand-in sender: under ZeRO-3 every parameter is gathered
+    whole and published in HF naming, as version 1 then 2; version 2 is what the checkpoint holds."""
+    import weight_sync.sender
+    from safetensors.torch import load_file
+
+    from learner.trainer import run
+
+    published = []
+
+    class FakeSender:
+        def __init__(self, host, port, timeout_s):
+            self.address = (host, port)
+
+        def publish(self, version, named_tensors):
+            published.append((version, {name: t.clone() for name, t in named_tensors}))
+            return {}
+
+        def close(self):
+            published.append(("closed", {}))
+
+    monkeypatch.setattr(weight_sync.sender, "WeightSender", FakeSender)
+    scored = make_group(0, 4, [1.0, 0.0, 0.5, 0.2]) + make_group(1, 4, [0.0, 0.3, 1.0, 1.0])
+    cfg = LearnerConfig(model_path=str(tiny_model_dir), run_dir=str(tmp_path / "run"), total_steps=2, lr=1e-3,
+                        zero_stage=3, weight_sync_port=5999, sync_every=1, tensorboard=False)
+    run(cfg, source=ListSource({0: scored, 1: scored}))
+
+    assert [v for v, _ in published] == [1, 2, "closed"]
+    initial = load_file(str(tiny_model_dir / "model.safetensors"))
+    saved = load_file(str(tmp_path / "run" / "checkpoints" / "step_2" / "model.safetensors"))
+    v2 = published[1][1]
+    assert v2.keys() == initial.keys()  # HF names, nothing missing or extra
+    for name, t in v2.items():
+        assert t.shape == initial[name].shape and torch.equal(t, saved[name]), name
+    assert any(not torch.equal(published[0][1][n], v2[n]) for n in v2)  # version 2 differs from 1
