@@ -1,0 +1,370 @@
+"""The weight-sync service: who holds which version, and who joins the next round.
+
+The service never moves weights and never waits on anyone: every request is answered at once
+from the state below, so a dead or slow generator cannot stall it.
+
+A publish round (learner rank 0 sends `ready` for version N):
+  members = every registered generator that is alive (not dropped by a round, heard from within
+  `stale_after_s`); ranks are assigned in order, the sender being rank 0; the reply `go` lists
+  them, and each member's next `poll` returns its round_info. Unclaimed catch-up rounds of the
+  previous version are cancelled (listed in `go.cancelled` so the sender releases their members).
+
+A catch-up round (a generator polls while behind the current version):
+  disk backend: the round_info points at the latest folder, answered on the spot;
+  group backends: the generator is added to the forming catch-up round and gets its round_info at
+  once; the sender claims the round at its next `pending_request` and broadcasts its retained
+  weights. Offered only while the sender is known to be serving (it promised, in its last
+  `pending_request`, to ask again within `next_within_s`), so a behind generator never waits on a
+  sender that is gone; otherwise it simply joins the next publish.
+
+A generator's version is what it reports in `done` (after loading). The sender's `round_result`
+names members that failed mid-round (`dead`) and members that never joined (`absent`: busy or
+gone); both are left out of later publish rounds until they are heard from again, so a generator
+that died between rounds costs one join window, not one per round.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+
+import zmq
+
+from weight_sync.config import WeightSyncConfig, endpoint
+from weight_sync.messages import (
+    Ack,
+    Done,
+    Error,
+    Go,
+    Idle,
+    Offer,
+    PendingRequest,
+    Poll,
+    ProtocolError,
+    Ready,
+    Register,
+    Registered,
+    RoundResult,
+    Status,
+    StatusRequest,
+    Unregister,
+    decode,
+    encode,
+)
+
+log = logging.getLogger("conveyor.weight_sync.service")
+
+
+@dataclass
+class Generator:
+    worker_id: str
+    engine_kind: str
+    world_size: int
+    version: int
+    last_seen: float
+    dead: bool = False  # dropped by a round; revived by its next poll
+    absent: bool = False  # missed a round's join window (busy or gone); back at its next message
+    offer: dict | None = None  # round_info not yet handed out
+    round_id: int | None = None  # the round it was handed (until it polls again or reports done)
+    load_s: float = 0.0
+
+
+@dataclass
+class Round:
+    round_id: int
+    version: int
+    catch_up: bool
+    members: dict[str, int] = field(default_factory=dict)  # worker id -> first rank
+    next_rank: int = 1
+    state: str = "forming"  # forming (catch-up, unclaimed) | running | closed
+    created: float = 0.0
+
+
+class SyncState:
+    """The service's state and its answer to each message (no sockets: easy to test)."""
+
+    def __init__(self, cfg: WeightSyncConfig, clock=time.monotonic):
+        self.cfg = cfg
+        self.clock = clock
+        self.generators: dict[str, Generator] = {}
+        self.rounds: dict[int, Round] = {}
+        self.current: Ready | None = None
+        self.forming: Round | None = None  # the open catch-up round
+        self.sender_serving_until = 0.0
+        self.next_round_id = 1
+        self.last_round: dict = {}
+        self.counts = {"rounds": 0, "catch_up_rounds": 0, "errors": 0, "dropped": 0}
+
+    @property
+    def current_version(self) -> int:
+        return self.current.version if self.current else -1
+
+    # ---- dispatch --------------------------------------------------------------------------
+
+    def handle(self, msg):
+        if isinstance(msg, Register):
+            return self.on_register(msg)
+        if isinstance(msg, Poll):
+            return self.on_poll(msg)
+        if isinstance(msg, Done):
+            return self.on_done(msg)
+        if isinstance(msg, Unregister):
+            self.generators.pop(msg.worker_id, None)
+            return Ack("unregistered")
+        if isinstance(msg, Ready):
+            return self.on_ready(msg)
+        if isinstance(msg, PendingRequest):
+            return self.on_pending(msg)
+        if isinstance(msg, RoundResult):
+            return self.on_round_result(msg)
+        if isinstance(msg, StatusRequest):
+            return Status(self.status())
+        return Error(f"{type(msg).__name__} is a reply, not a request", "envelope.type")
+
+    # ---- generators ------------------------------------------------------------------------
+
+    def on_register(self, m: Register):
+        g = self.generators.get(m.worker_id)
+        if g is None or g.engine_kind != m.engine_kind or g.world_size != m.world_size:
+            g = self.generators[m.worker_id] = Generator(m.worker_id, m.engine_kind, m.world_size, m.version,
+                                                         self.clock())
+        else:  # the same generator again (its client reconnected): keep what we know
+            g.last_seen, g.dead, g.absent, g.version = self.clock(), False, False, m.version
+        return Registered(self.current_version, self.cfg.mode)
+
+    def _known(self, worker_id: str, where: str) -> Generator | Error:
+        g = self.generators.get(worker_id)
+        if g is None:
+            return Error(f"unknown worker {worker_id!r}: register first", f"{where}.worker_id")
+        g.last_seen = self.clock()
+        g.dead = g.absent = False
+        return g
+
+    def on_poll(self, m: Poll):
+        g = self._known(m.worker_id, "poll")
+        if isinstance(g, Error):
+            return g
+        g.version = m.version
+        if g.offer is not None:
+            info, g.offer = g.offer, None
+            return Offer(info)
+        if g.round_id is not None:  # polling again: it is done with the round it was handed
+            self._leave(g)
+        cur = self.current
+        if cur is not None and g.version < cur.version and self.cfg.catch_up:
+            info = self._catch_up(g)
+            if info is not None:
+                return Offer(info)
+        return Idle(self.current_version, 0.5)
+
+    def on_done(self, m: Done):
+        g = self._known(m.worker_id, "done")
+        if isinstance(g, Error):
+            return g
+        if m.ok:
+            g.version = max(g.version, m.version)
+            g.load_s = m.load_s
+            if self.last_round.get("version") == m.version:
+                self.last_round["load_s_max"] = max(self.last_round.get("load_s_max", 0.0), m.load_s)
+        self._leave(g)
+        return Ack(f"{m.worker_id} at v{g.version}")
+
+    def _leave(self, g: Generator) -> None:
+        r = self.rounds.get(g.round_id) if g.round_id is not None else None
+        if r is not None and r.state == "forming":
+            r.members.pop(g.worker_id, None)
+        g.round_id = None
+
+    # ---- rounds ----------------------------------------------------------------------------
+
+    def _new_round(self, version: int, catch_up: bool) -> Round:
+        r = Round(self.next_round_id, version, catch_up, created=self.clock())
+        self.next_round_id += 1
+        self.rounds[r.round_id] = r
+        # closed rounds are only kept for a while (status, late messages)
+        for rid in [rid for rid, old in self.rounds.items() if old.state == "closed"][:-16]:
+            del self.rounds[rid]
+        return r
+
+    def _add(self, r: Round, g: Generator) -> dict:
+        """Make `g` a member of `r`; its round_info."""
+        cur = self.current
+        r.members[g.worker_id] = r.next_rank
+        info = {
+            "round_id": r.round_id, "version": r.version, "backend": cur.backend, "mode": self.cfg.mode,
+            "timeout_s": cur.timeout_s, "catch_up": r.catch_up, "manifest": cur.manifest,
+            "bucket_bytes": max(cur.manifest["buckets"], default=0),
+            "host": cur.host, "port": cur.port, "path": cur.path,
+            "rank": r.next_rank, "local_world_size": g.world_size, "world_size": r.next_rank + g.world_size,
+        }
+        r.next_rank += g.world_size
+        g.round_id = r.round_id
+        return info
+
+    def _eligible(self, g: Generator) -> bool:
+        return not g.dead and not g.absent and self.clock() - g.last_seen <= self.cfg.stale_after_s
+
+    def on_ready(self, m: Ready):
+        if self.current is not None and m.version < self.current.version:
+            return Error(f"version {m.version} is older than the current {self.current.version}", "ready.version")
+        self.current = m
+        cancelled = []
+        if self.forming is not None:  # its members wait for the old version: release them
+            cancelled.append(self.forming.round_id)
+            for wid in self.forming.members:
+                if wid in self.generators:
+                    self.generators[wid].round_id = None
+            self.forming.state = "closed"
+            self.forming = None
+        r = self._new_round(m.version, catch_up=False)
+        r.state = "running"
+        for g in self.generators.values():
+            if self._eligible(g):
+                g.offer = self._add(r, g)  # replaces any older offer never picked up
+        self.counts["rounds"] += 1
+        members = [[wid, rank, self.generators[wid].world_size] for wid, rank in r.members.items()]
+        if m.backend == "disk":  # nothing to coordinate: members read the folder at their next poll
+            r.state = "closed"
+            self.last_round = {"round_id": r.round_id, "version": m.version, "backend": "disk",
+                               "members": [x[0] for x in members], "path": m.path}
+        return Go(r.round_id, m.version, members, r.next_rank, False, cancelled)
+
+    def _catch_up(self, g: Generator) -> dict | None:
+        cur = self.current
+        if cur.backend == "disk":
+            r = self._new_round(cur.version, catch_up=True)
+            info = self._add(r, g)
+            r.state = "closed"  # nothing to coordinate: the generator reads the folder
+            self.counts["catch_up_rounds"] += 1
+            return info
+        if not cur.can_catch_up or self.clock() > self.sender_serving_until:
+            return None
+        if self.forming is None:
+            self.forming = self._new_round(cur.version, catch_up=True)
+        return self._add(self.forming, g)
+
+    def on_pending(self, m: PendingRequest):
+        cur = self.current
+        if cur is None or m.sender_id != cur.sender_id or m.version != cur.version:
+            return Idle(self.current_version, 0.5)
+        self.sender_serving_until = self.clock() + m.next_within_s
+        r = self.forming
+        if r is None or not r.members:
+            return Idle(self.current_version, 0.5)
+        self.forming = None
+        r.state = "running"
+        self.counts["catch_up_rounds"] += 1
+        members = [[wid, rank, self.generators[wid].world_size] for wid, rank in r.members.items()
+                   if wid in self.generators]
+        return Go(r.round_id, r.version, members, r.next_rank, True, [])
+
+    def on_round_result(self, m: RoundResult):
+        r = self.rounds.get(m.round_id)
+        if r is not None:
+            r.state = "closed"
+        for wid in m.failed:
+            g = self.generators.get(wid)
+            if g is not None:
+                g.dead = True
+                g.round_id = None
+                self.counts["dropped"] += 1
+        for wid in m.missed:
+            g = self.generators.get(wid)
+            if g is not None and g.round_id == m.round_id:
+                g.round_id = None
+                # a generator gone before joining must not cost every later publish a join window:
+                # left out until it is heard from again (a busy one then catches up at its next poll)
+                g.absent = True
+                if g.offer is not None and g.offer["round_id"] == m.round_id:
+                    g.offer = None  # never picked up: its next poll gets a catch-up instead
+        self.last_round = {"round_id": m.round_id, "version": m.version, "ok": list(m.ok), "missed": list(m.missed),
+                           "failed": list(m.failed), **{k: v for k, v in m.stats.items()}}
+        return Ack(f"round {m.round_id} closed")
+
+    # ---- status ----------------------------------------------------------------------------
+
+    def status(self) -> dict:
+        now = self.clock()
+        cur = self.current_version
+        gens = {}
+        for g in self.generators.values():
+            gens[g.worker_id] = {
+                "engine_kind": g.engine_kind, "world_size": g.world_size, "version": g.version,
+                "lag": (cur - g.version) if cur >= 0 else 0, "dead": g.dead, "absent": g.absent,
+                "last_seen_s": round(now - g.last_seen, 3), "load_s": g.load_s,
+            }
+        lags = [v["lag"] for v in gens.values() if not v["dead"]]
+        return {
+            "current_version": cur,
+            "backend": self.current.backend if self.current else "",
+            "generators": gens,
+            "max_lag": max(lags, default=0),
+            "last_round": dict(self.last_round),
+            **self.counts,
+        }
+
+
+class WeightSyncService:
+    """The ROUTER loop around `SyncState`: one request, one reply, never blocking on anyone."""
+
+    def __init__(self, cfg: WeightSyncConfig, context: zmq.Context | None = None):
+        self.cfg = cfg
+        self.state = SyncState(cfg)
+        self._ctx = context or zmq.Context.instance()
+        self._stop = threading.Event()
+        self._ready = threading.Event()
+
+    def serve_forever(self) -> None:
+        sock = self._ctx.socket(zmq.ROUTER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.bind(endpoint(self.cfg.host, self.cfg.port))
+        self._ready.set()
+        log.info("weight-sync service on %s", endpoint(self.cfg.host, self.cfg.port))
+        try:
+            while not self._stop.is_set():
+                if not sock.poll(100, zmq.POLLIN):
+                    continue
+                frames = sock.recv_multipart()
+                ident, body = frames[0], frames[1:]
+                reply = self._answer(body)
+                sock.send_multipart([ident, b"", encode(reply)])
+        finally:
+            sock.close(0)
+
+    def _answer(self, body: list[bytes]):
+        try:
+            if len(body) != 2 or body[0] != b"":
+                raise ProtocolError("message", f"expected [empty, payload] frames, got {len(body)} frames")
+            reply = self.state.handle(decode(body[1]))
+        except ProtocolError as e:
+            reply = Error(str(e), e.field)
+        except Exception as e:  # a bug must not take the service down: answer and keep serving
+            log.exception("weight-sync request failed")
+            reply = Error(f"{type(e).__name__}: {e}", "")
+        if isinstance(reply, Error):
+            self.state.counts["errors"] += 1
+            log.warning("refused a request: %s", reply.message)
+        return reply
+
+    def start(self) -> threading.Thread:
+        """Serve from a daemon thread (tests, the local launcher); returns once bound."""
+        t = threading.Thread(target=self.serve_forever, name="weight-sync-service", daemon=True)
+        t.start()
+        if not self._ready.wait(10):
+            raise RuntimeError("weight-sync service did not start")
+        return t
+
+    def stop(self) -> None:
+        self._stop.set()
+
+
+def serve(cfg: WeightSyncConfig) -> None:
+    """Run the service until SIGINT/SIGTERM."""
+    import signal
+
+    service = WeightSyncService(cfg)
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: service.stop())
+    service.serve_forever()
