@@ -1,0 +1,275 @@
+"""The whole run's configuration: one YAML file with a section per role, composed here.
+
+    run:         RunConfig (this file): run folder, mode, how many of each role
+    buffer:      buffer.config.BufferConfig
+    generator:   actors.config.GeneratorConfig
+    scorer:      actors.config.ScorerConfig
+    learner:     learner.config.LearnerConfig
+    weight_sync: weight_sync.config.WeightSyncConfig
+
+Command-line overrides are dotted (`--learner.lr 1e-6`); the flags of OpenRLHF's quick start are
+accepted as aliases with the same meaning (`--pretrain`, `--n_samples_per_prompt`, ...). An unknown
+flag is an error that suggests the closest known one. Addresses and shared values (the buffer's
+port, the policy folder, the run folder) are written into every section that needs them, so each
+role can be started alone from the resolved file.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, Sequence
+
+from launch.config import ConfigError, build, parse_overrides, read_yaml, set_dotted
+
+
+@dataclass
+class RunConfig:
+    """Section `run:`: what the local launcher starts and where it writes."""
+
+    run_dir: str = "runs/run"
+    """Folder for logs (one file per role), metrics, checkpoints and the resolved config."""
+    mode: Literal["async", "sync"] = "async"
+    """`async`: generators run ahead of the learner within `buffer.max_staleness` versions.
+    `sync`: lockstep (generate a batch, score, train, sync weights, repeat): max_staleness is forced to 0."""
+    num_generators: int = 1
+    """Generator processes (each one vLLM engine of `generator.tensor_parallel_size` workers)."""
+    num_scorers: int = 1
+    """Scorer processes sharing the scoring work."""
+    learner_ranks: int = 1
+    """DeepSpeed learner ranks (started with torchrun when more than one)."""
+    base_port: int = 0
+    """First of the 5 consecutive ports the run uses (buffer: 4, weight sync: 1); 0 picks free ones."""
+    max_wall_s: float = 0.0
+    """Stop the run (as a failure) after this many seconds; 0: no limit."""
+    generator_cpus: str = ""
+    """CPU list the generators are pinned to (taskset syntax, e.g. `0`); empty: no pinning."""
+    learner_cpus: str = ""
+    """CPU list the learner ranks are pinned to; empty: no pinning."""
+    threads_per_role: int = 0
+    """OMP/MKL threads per process (0: leave the libraries' defaults)."""
+    ready_timeout_s: float = 600.0
+    """How long a role may take to start (vLLM engines and DeepSpeed take tens of seconds on CPU)."""
+
+    def validate(self) -> None:
+        errs = []
+        for name in ("num_generators", "num_scorers", "learner_ranks"):
+            if getattr(self, name) < 1:
+                errs.append(f"run.{name}={getattr(self, name)} must be >= 1")
+        if self.base_port and not 1024 <= self.base_port < 65530:
+            errs.append(f"run.base_port={self.base_port} must be 0 or in [1024, 65530)")
+        if errs:
+            raise ValueError("; ".join(errs))
+
+
+def section_classes() -> dict[str, type]:
+    from actors.config import GeneratorConfig, ScorerConfig
+    from buffer.config import BufferConfig
+    from learner.config import LearnerConfig
+    from weight_sync.config import WeightSyncConfig
+
+    return {"run": RunConfig, "buffer": BufferConfig, "generator": GeneratorConfig, "scorer": ScorerConfig,
+            "learner": LearnerConfig, "weight_sync": WeightSyncConfig}
+
+
+# OpenRLHF quick-start flag -> (dotted keys it sets, value transform)
+def _estimator(v: str) -> str:
+    names = {"group_norm": "grpo", "grpo": "grpo", "dr_grpo": "dr_grpo", "rloo": "rloo", "gae": "gae",
+             "reinforce": "reinforce_pp", "reinforce_baseline": "rloo", "reinforce_pp": "reinforce_pp"}
+    if v not in names:
+        raise ConfigError(f"--advantage_estimator: {v!r} is not one of {sorted(names)}")
+    return names[v]
+
+
+ALIASES: dict[str, tuple[tuple[str, ...], Any]] = {
+    "pretrain": (("learner.model_path", "generator.model"), str),
+    "reward_pretrain": (("scorer.reward_model",), str),
+    "save_path": (("run.run_dir",), str),
+    "micro_train_batch_size": (("learner.micro_train_batch_size",), int),
+    "train_batch_size": (("learner.train_batch_size",), int),
+    "micro_rollout_batch_size": (("generator.groups_per_lease",), int),
+    "rollout_batch_size": (("buffer.prompts_per_step",), int),
+    "n_samples_per_prompt": (("buffer.n_samples_per_prompt",), int),
+    "max_epochs": (("learner.ppo_epochs",), int),
+    "num_episodes": (("buffer.max_epochs",), int),
+    "prompt_max_len": (("generator.prompt_max_len",), int),
+    "generate_max_len": (("generator.max_new_tokens",), int),
+    "learning_rate": (("learner.lr",), float),
+    "actor_learning_rate": (("learner.lr",), float),
+    "critic_learning_rate": (("learner.critic_lr",), float),
+    "init_kl_coef": (("learner.kl_coef",), float),
+    "vllm_num_engines": (("run.num_generators",), int),
+    "vllm_tensor_parallel_size": (("generator.tensor_parallel_size",), int),
+    "advantage_estimator": (("learner.advantage_estimator",), _estimator),
+    "prompt_data": (("buffer.prompts",), str),
+    "seed": (("learner.seed", "generator.seed"), int),
+    "temperature": (("generator.temperature", "learner.temperature"), float),
+    "zero_stage": (("learner.zero_stage",), int),
+    "bf16": (("learner.dtype",), lambda v: "bfloat16" if str(v).lower() in ("1", "true", "yes") else "float32"),
+}
+
+
+@dataclass
+class Run:
+    """The composed configuration: one dataclass per section."""
+
+    run: RunConfig
+    buffer: Any
+    generator: Any
+    scorer: Any
+    learner: Any
+    weight_sync: Any
+    extra: dict = field(default_factory=dict)  # OpenRLHF batch-size aliases, resolved in `finish`
+
+    def sections(self) -> dict[str, Any]:
+        return {name: getattr(self, name) for name in section_classes()}
+
+    def to_dict(self) -> dict:
+        return {name: dataclasses.asdict(cfg) for name, cfg in self.sections().items()}
+
+
+def load_run_config(path: str | Path | None, argv: Sequence[str] = ()) -> Run:
+    """Read the YAML file, apply overrides and aliases, tie the sections together and check them."""
+    classes = section_classes()
+    tree = read_yaml(path)
+    for name in tree:
+        if name not in classes:
+            raise ConfigError(f"{path}: unknown section {name!r}{_suggest(name, classes)}")
+    extra: dict[str, int] = {}
+    for key, value in parse_overrides(argv).items():
+        if "." in key:
+            section = key.split(".", 1)[0]
+            if section not in classes:
+                raise ConfigError(f"--{key}: unknown section {section!r}{_suggest(section, classes)}")
+            set_dotted(tree, key, value)
+            continue
+        if key not in ALIASES:
+            known = list(ALIASES) + [f"{s}.{f.name}" for s, c in classes.items() for f in dataclasses.fields(c)]
+            raise ConfigError(f"unknown flag --{key}{_suggest(key, known)}")
+        targets, conv = ALIASES[key]
+        try:
+            value = conv(value)
+        except (TypeError, ValueError):
+            raise ConfigError(f"--{key}: cannot use {value!r}") from None
+        for t in targets:
+            if t in ("learner.micro_train_batch_size", "learner.train_batch_size"):
+                extra[t.split(".", 1)[1]] = value
+            else:
+                set_dotted(tree, t, value)
+    built = {}
+    for name, cls in classes.items():
+        sub = tree.get(name) or {}
+        if not isinstance(sub, dict):
+            raise ConfigError(f"section {name!r} must be a mapping, got {sub!r}")
+        built[name] = build(cls, sub, name)
+    run = Run(**built, extra=extra)
+    finish(run, explicit=tree)
+    return run
+
+
+def _suggest(key: str, known) -> str:
+    near = difflib.get_close_matches(key, list(known), n=1, cutoff=0.5)
+    return f" (did you mean {near[0]!r}?)" if near else ""
+
+
+def _explicit(tree: dict, dotted: str) -> bool:
+    node: Any = tree
+    for p in dotted.split("."):
+        if not isinstance(node, dict) or p not in node:
+            return False
+        node = node[p]
+    return True
+
+
+def finish(run: Run, explicit: dict | None = None) -> None:
+    """Tie the sections together (addresses, policy, run folder) and run every cross-field check."""
+    explicit = explicit or {}
+    r, b, g, s, l, w = run.run, run.buffer, run.generator, run.scorer, run.learner, run.weight_sync
+    if run.extra:
+        # OpenRLHF counts samples: train_batch_size samples per step, micro_train_batch_size per forward
+        n = b.n_samples_per_prompt
+        if "train_batch_size" in run.extra:
+            tbs = run.extra["train_batch_size"]
+            if tbs % n:
+                raise ConfigError(f"--train_batch_size={tbs} is not a multiple of n_samples_per_prompt={n}")
+            b.prompts_per_step = tbs // n
+        if "micro_train_batch_size" in run.extra:
+            per_rank = b.prompts_per_step * n // r.learner_ranks
+            micro = run.extra["micro_train_batch_size"]
+            if micro < 1 or per_rank % micro:
+                raise ConfigError(f"--micro_train_batch_size={micro} does not divide the {per_rank} samples "
+                                  f"each of {r.learner_ranks} rank(s) trains on per step")
+            l.gradient_accumulation_steps = per_rank // micro // max(1, l.num_mini_batches)
+            if l.gradient_accumulation_steps < 1:
+                raise ConfigError(f"--micro_train_batch_size={micro} x learner.num_mini_batches="
+                                  f"{l.num_mini_batches} exceeds the {per_rank} samples per rank")
+    if r.mode == "sync":
+        b.max_staleness = 0
+        l.sync_every = 1
+    if not g.model:
+        g.model = l.model_path
+    if not l.model_path:
+        l.model_path = g.model
+    l.run_dir = str(Path(r.run_dir))
+    if not b.state_dir:
+        b.state_dir = str(Path(r.run_dir) / "buffer_state")
+    g.buffer_host = s.buffer_host = l.buffer_host = b.host
+    g.buffer_port = s.buffer_port = l.buffer_port = b.port
+    g.weight_sync_host = l.weight_sync_host = w.host
+    g.weight_sync_port = l.weight_sync_port = w.port
+    if not _explicit(explicit, "learner.temperature"):
+        l.temperature = g.temperature if g.temperature > 0 else 1.0
+    if l.kl_coef > 0 and not s.reference:
+        s.reference = l.model_path
+    if s.reference and "reference" not in s.kinds:
+        s.kinds = [*s.kinds, "reference"]
+    if s.reward_model and "reward_model" not in s.kinds:
+        s.kinds = [*s.kinds, "reward_model"]
+
+    errors = []
+    for name, cfg in run.sections().items():
+        if hasattr(cfg, "validate"):
+            try:
+                cfg.validate()
+            except ValueError as e:
+                errors.append(str(e))
+    if not l.model_path:
+        errors.append("no policy: set learner.model_path (or --pretrain)")
+    elif not Path(l.model_path).is_dir():
+        errors.append(f"learner.model_path={l.model_path!r} is not a folder")
+    if b.prompts_per_step % r.learner_ranks:
+        errors.append(f"buffer.prompts_per_step={b.prompts_per_step} is not divisible by run.learner_ranks="
+                      f"{r.learner_ranks} (each rank takes whole prompt groups)")
+    else:
+        per_rank = b.prompts_per_step // r.learner_ranks * b.n_samples_per_prompt
+        need = l.num_mini_batches * l.gradient_accumulation_steps
+        if per_rank < need:
+            errors.append(f"each rank trains on {per_rank} samples per step (buffer.prompts_per_step="
+                          f"{b.prompts_per_step} x n_samples_per_prompt={b.n_samples_per_prompt} / "
+                          f"{r.learner_ranks} ranks), fewer than learner.num_mini_batches x "
+                          f"gradient_accumulation_steps = {need}")
+    if b.prompts and not Path(b.prompts).is_file():
+        errors.append(f"buffer.prompts={b.prompts!r} is not a file")
+    if not b.prompts:
+        errors.append("no prompts: set buffer.prompts (or --prompt_data) to a JSONL file")
+    if errors:
+        raise ConfigError("; ".join(errors))
+
+
+def assign_ports(run: Run, base: int) -> None:
+    """Buffer on base..base+3, weight sync on base+4, written into every section that dials them."""
+    run.buffer.port = base
+    run.weight_sync.port = base + 4
+    finish(run)
+
+
+def write_resolved(run: Run, path: str | Path) -> Path:
+    import yaml
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("# resolved by launch.local: every role reads its section of this file\n"
+                    + yaml.safe_dump(run.to_dict(), sort_keys=False))
+    return path
