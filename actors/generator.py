@@ -1,0 +1,356 @@
+"""The generator's control loop: lease prompts, sample completions, push rollouts.
+
+One iteration:
+
+1. take new weights if the weight-sync service has a round for us (between batches, so every
+   token of a batch carries the same policy version);
+2. lease up to `groups_per_lease` prompt groups from the buffer, reporting our weights version
+   (the buffer's admission control may answer `Wait`);
+3. tokenize the prompts (chat template when there is one), truncate or refuse long ones;
+4. sample `n_samples` completions of each in one engine call, while a thread renews the lease;
+5. push one `Rollout` per completion to the scorers, through the buffer's relay.
+
+The buffer answers `Wait(done=True)` when the dataset is exhausted: the loop exits with 0. A first
+SIGTERM/SIGINT lets the batch in flight finish and be pushed; a second one interrupts it.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import socket
+import threading
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+from actors.config import GeneratorConfig
+from actors.engines import Engine, Sampling, build_engine
+from buffer.client import BufferClient, BufferError
+from buffer.protocol import ID_DTYPE, LOGPROB_DTYPE, LeaseGrant, Rollout, Wait
+
+log = logging.getLogger("conveyor.generator")
+
+
+# --------------------------------------------------------------------------------------------
+# prompts
+
+
+def encode_prompt(tokenizer, text: str, use_chat_template: bool) -> list[int]:
+    """Token ids of one prompt: as a user message in the chat template when the tokenizer has one."""
+    if use_chat_template and getattr(tokenizer, "chat_template", None):
+        rendered = tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
+                                                 add_generation_prompt=True)
+        # The template writes the special tokens itself (bos and the like).
+        return list(tokenizer.encode(rendered, add_special_tokens=False))
+    return list(tokenizer.encode(text))
+
+
+def fit_prompt(ids: list[int], cfg: GeneratorConfig) -> tuple[list[int] | None, str]:
+    """(ids to generate from, "") or (None, why it is refused); a long prompt keeps its tail."""
+    if not ids:
+        return None, "empty prompt (0 tokens)"
+    if len(ids) <= cfg.prompt_max_len:
+        return ids, ""
+    if cfg.long_prompt == "truncate":
+        # The tail holds the question and the generation prompt; the head is usually context.
+        return ids[-cfg.prompt_max_len:], ""
+    return None, f"prompt of {len(ids)} tokens > generator.prompt_max_len={cfg.prompt_max_len}"
+
+
+# --------------------------------------------------------------------------------------------
+# lease renewal
+
+
+class LeaseKeeper:
+    """Renews leases from its own thread (an engine call blocks the main one) with its own client
+    (ZeroMQ sockets are not thread-safe).
+
+    A lease is renewed every `renew_fraction * ttl` while its batch is generated, and after its
+    rollouts are pushed for up to `after_push_s` more: the buffer counts a lease open until the
+    scored samples arrive, so scoring time must be covered too. The buffer refusing a renewal of a
+    pushed lease usually means it was answered; before the push, it means the lease was lost.
+    """
+
+    def __init__(self, host: str, port: int, renew_fraction: float, timeout_s: float, after_push_s: float):
+        self._client = BufferClient(host, port, timeout_s=timeout_s)
+        self._fraction = renew_fraction
+        self._after_push_s = after_push_s
+        # lease_id -> [ttl_s, last renewed, renew until (None: while generating)]
+        self._leases: dict[int, list] = {}
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self.renewed = 0
+        self.lost = 0
+        self._thread = threading.Thread(target=self._run, name="lease-keeper", daemon=True)
+        self._thread.start()
+
+    def hold(self, grant: LeaseGrant) -> None:
+        with self._lock:
+            self._leases[grant.lease_id] = [grant.ttl_s, time.monotonic(), None]
+
+    def pushed(self, lease_id: int) -> None:
+        with self._lock:
+            if lease_id in self._leases:
+                if self._after_push_s > 0:
+                    self._leases[lease_id][2] = time.monotonic() + self._after_push_s
+                else:
+                    del self._leases[lease_id]
+
+    def _run(self) -> None:
+        while not self._stop.wait(0.05):
+            now = time.monotonic()
+            with self._lock:
+                for i in [i for i, (_, _, until) in self._leases.items() if until is not None and now > until]:
+                    del self._leases[i]
+                due = [i for i, (ttl, last, _) in self._leases.items() if now - last >= self._fraction * ttl]
+            for lease_id in due:
+                try:
+                    self._client.renew(lease_id)
+                    ok, why = True, ""
+                except (BufferError, TimeoutError) as e:
+                    ok, why = False, str(e)
+                with self._lock:
+                    entry = self._leases.get(lease_id)
+                    if entry is None:
+                        continue
+                    if ok:
+                        self.renewed += 1
+                        entry[1] = time.monotonic()
+                        continue
+                    del self._leases[lease_id]
+                    generating = entry[2] is None
+                    self.lost += generating
+                if generating:  # expired already (or the buffer restarted): the results will be refused
+                    log.warning("lease %d could not be renewed while generating: %s", lease_id, why)
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+        self._client.close()
+
+
+# --------------------------------------------------------------------------------------------
+# weight sync (the service and receiver live in weight_sync/; this is only the call site)
+
+
+class WeightSyncHook:
+    """Registers with the weight-sync service and loads each new round into the engine."""
+
+    def __init__(self, cfg: GeneratorConfig, worker_id: str):
+        from weight_sync.client import GeneratorSyncClient
+
+        self.ws = GeneratorSyncClient(cfg.weight_sync_host, cfg.weight_sync_port, worker_id)
+        # world_size: the engine's workers that join a broadcast (vLLM's tensor-parallel ranks)
+        reply = self.ws.register(cfg.engine, world_size=cfg.tensor_parallel_size if cfg.engine == "vllm" else 1)
+        if reply.get("mode", "finish") != "finish":
+            log.warning("weight-sync mode %r: this generator only loads weights between batches", reply["mode"])
+        self.timeout_s = cfg.weight_sync_timeout_s
+
+    def initial(self, engine: Engine) -> None:
+        """The current weights before the first lease (None: the learner has published nothing yet)."""
+        round_info = self.ws.wait_current(self.timeout_s)
+        if round_info is not None:
+            self.apply(engine, round_info)
+
+    def poll(self, engine: Engine) -> None:
+        round_info = self.ws.poll()
+        if round_info is not None:
+            self.apply(engine, round_info)
+
+    def apply(self, engine: Engine, round_info: dict) -> None:
+        version = int(round_info["version"])
+        t0 = time.monotonic()
+        try:
+            engine.receive_weights(round_info)
+        except Exception as e:
+            # Keep generating with the weights we have: their version is still stamped truthfully.
+            log.error("weights v%d not loaded: %s: %s", version, type(e).__name__, e)
+            self.ws.done(version, ok=False, load_s=time.monotonic() - t0, error=f"{type(e).__name__}: {e}")
+            return
+        load_s = time.monotonic() - t0
+        engine.version = version
+        self.ws.done(version, ok=True, load_s=load_s)
+        log.info("weights v%d loaded (time/weight_sync %.2fs)", version, load_s)
+
+    def close(self) -> None:
+        close = getattr(self.ws, "close", None)
+        if close is not None:
+            close()
+
+
+# --------------------------------------------------------------------------------------------
+# the loop
+
+
+@dataclass
+class Counters:
+    leases: int = 0
+    groups: int = 0
+    samples: int = 0
+    tokens: int = 0
+    truncated: int = 0
+    refused: int = 0
+    generate_s: float = 0.0
+
+
+def install_signal_handlers(stop: threading.Event) -> None:
+    """First SIGTERM/SIGINT: finish the batch in flight, then exit. Second: interrupt it."""
+
+    def handler(signum, frame):
+        if stop.is_set():
+            raise KeyboardInterrupt
+        log.info("%s: finishing the batch in flight, then exiting", signal.Signals(signum).name)
+        stop.set()
+
+    signal.signal(signal.SIGTERM, handler)
+    signal.signal(signal.SIGINT, handler)
+
+
+def make_rollouts(grant: LeaseGrant, cfg: GeneratorConfig, engine: Engine, sampling: Sampling,
+                  client: BufferClient, worker_id: str, counts: Counters) -> list[Rollout]:
+    """Steps 3-4 for one lease: the rollouts of its groups (refused groups are reported, not sampled)."""
+    groups, prompt_ids = [], []
+    for g in grant.groups:
+        ids = encode_prompt(engine.tokenizer, g.prompt, cfg.use_chat_template)
+        fitted, why = fit_prompt(ids, cfg)
+        if fitted is None:
+            counts.refused += 1
+            log.warning("group %d refused: %s", g.group_id, why)
+            client.group_failed(grant.lease_id, g.group_id, why)
+            continue
+        counts.truncated += len(fitted) < len(ids)
+        groups.append(g)
+        prompt_ids.append(fitted)
+    if not groups:
+        return []
+    version = engine.version  # weights only change between batches, so one version for all tokens
+    t0 = time.monotonic()
+    try:
+        completions = engine.generate(prompt_ids, grant.n_samples, sampling)
+    except ValueError as e:
+        # The engine refused the inputs (e.g. a prompt past vLLM's max_model_len): retrying will not
+        # help, so the groups are reported failed instead of expiring and coming back forever.
+        log.error("lease %d: engine refused the batch: %s", grant.lease_id, e)
+        for g in groups:
+            counts.refused += 1
+            client.group_failed(grant.lease_id, g.group_id, f"engine refused the prompt: {e}"[:2000])
+        return []
+    counts.generate_s += time.monotonic() - t0
+    rollouts = []
+    for g, ids, comps in zip(groups, prompt_ids, completions):
+        for j, c in enumerate(comps):
+            t = len(c.token_ids)
+            rollouts.append(Rollout(
+                group_id=g.group_id, sample_index=j, lease_id=grant.lease_id,
+                prompt_ids=np.asarray(ids, dtype=ID_DTYPE),  # (P,)
+                completion_ids=np.asarray(c.token_ids, dtype=ID_DTYPE),  # (T,)
+                behav_logprobs=np.asarray(c.logprobs, dtype=LOGPROB_DTYPE),  # (T,)
+                versions=np.full(t, version, dtype=ID_DTYPE),  # (T,)
+                prompt=g.prompt, completion=c.text, label=g.label,
+                finish_reason=c.finish_reason, worker_id=worker_id,
+            ))
+            counts.tokens += t
+        counts.samples += len(comps)
+        counts.groups += 1
+    return rollouts
+
+
+class _Patience:
+    """Tolerates a buffer that does not answer (restarting, or not up yet) for `limit_s` in a row."""
+
+    def __init__(self, limit_s: float):
+        self.limit_s = limit_s
+        self.since: float | None = None
+
+    def call(self, fn, *args):
+        """fn(*args), or None after a timeout that is still within patience; raises past it."""
+        try:
+            out = fn(*args)
+        except TimeoutError as e:
+            now = time.monotonic()
+            self.since = self.since or now
+            if now - self.since > self.limit_s:
+                raise TimeoutError(f"buffer silent for {now - self.since:.0f}s: {e}") from None
+            log.warning("%s; retrying", e)
+            return None
+        self.since = None
+        return out
+
+
+def run_generator(cfg: GeneratorConfig, stop: threading.Event | None = None) -> int:
+    """Generate until the buffer is done, a signal comes, or `max_batches` leases; the exit code."""
+    worker_id = cfg.worker_id or f"gen-{socket.gethostname()}-{os.getpid()}"
+    if stop is None:
+        stop = threading.Event()
+        if threading.current_thread() is threading.main_thread():
+            install_signal_handlers(stop)
+    t_start = time.monotonic()
+    engine = build_engine(cfg)
+    log.info("%s: %s engine on %s ready in %.1fs", worker_id, cfg.engine, cfg.model, time.monotonic() - t_start)
+    t_start = time.monotonic()
+    sampling = Sampling(temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,
+                        max_tokens=cfg.max_new_tokens, stop_token_ids=list(cfg.stop_token_ids))
+    client = BufferClient(cfg.buffer_host, cfg.buffer_port, timeout_s=cfg.request_timeout_s)
+    keeper = LeaseKeeper(cfg.buffer_host, cfg.buffer_port, cfg.renew_fraction, cfg.request_timeout_s,
+                         cfg.renew_after_push_s)
+    sync: WeightSyncHook | None = None
+    patience = _Patience(cfg.buffer_patience_s)
+    counts, last = Counters(), Counters()
+    t_log = time.monotonic()
+    code = 0
+    try:
+        if cfg.weight_sync_port:
+            sync = WeightSyncHook(cfg, worker_id)
+            sync.initial(engine)
+        while not stop.is_set():
+            if sync is not None:
+                sync.poll(engine)
+            reply = patience.call(client.lease, worker_id, cfg.groups_per_lease, engine.version)
+            if reply is None:
+                continue
+            if isinstance(reply, Wait):
+                if reply.done:
+                    log.info("buffer is done (%s)", reply.reason)
+                    break
+                stop.wait(reply.retry_after_s)
+                continue
+            counts.leases += 1
+            log.info("lease %d: %d groups x %d samples (v%d)", reply.lease_id, len(reply.groups),
+                     reply.n_samples, engine.version)
+            keeper.hold(reply)
+            rollouts = make_rollouts(reply, cfg, engine, sampling, client, worker_id, counts)
+            if rollouts:
+                client.push_rollouts(rollouts)
+            keeper.pushed(reply.lease_id)
+            if time.monotonic() - t_log >= cfg.log_every_s:
+                _log_throughput(counts, last, time.monotonic() - t_log, keeper, engine.version)
+                last, t_log = Counters(**counts.__dict__), time.monotonic()
+            if cfg.max_batches and counts.leases >= cfg.max_batches:
+                break
+    except KeyboardInterrupt:
+        log.info("interrupted")
+    except TimeoutError as e:
+        log.error("%s; giving up", e)
+        code = 1
+    finally:
+        _log_throughput(counts, Counters(), time.monotonic() - t_start, keeper, engine.version, final=True)
+        keeper.close()
+        client.close()
+        if sync is not None:
+            sync.close()
+        engine.close()
+    return code
+
+
+def _log_throughput(c: Counters, prev: Counters, dt: float, keeper: LeaseKeeper, version: int,
+                    final: bool = False) -> None:
+    tokens = c.tokens - prev.tokens
+    gen_s = c.generate_s - prev.generate_s
+    log.info("%s%d tokens in %.1fs (%.0f tok/s; %.0f tok/s while generating), %d samples, %d groups; "
+             "total leases=%d truncated=%d refused=%d renewed=%d lost=%d version=%d",
+             "total: " if final else "", tokens, dt, tokens / max(dt, 1e-9), tokens / max(gen_s, 1e-9),
+             c.samples - prev.samples, c.groups - prev.groups, c.leases, c.truncated, c.refused,
+             keeper.renewed, keeper.lost, version)

@@ -1,0 +1,166 @@
+"""The scorer: pull raw rollouts from the buffer's relay, score them, push them back scored.
+
+`Scorer.score` does the work for one message of rollouts: every configured reward component scores
+every rollout (`scores[name]`), `reward` is their weighted sum, and a reference model adds
+`ref_logprobs`. A sample any component failed on is sent with `failed=True` and the reasons in
+`error`: the buffer drops its group and counts it, so a bad reward function never stalls a run.
+Several scorer processes may run side by side; the relay deals messages out round-robin.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import socket
+import threading
+import time
+from collections import Counter
+from typing import Sequence
+
+import numpy as np
+
+from actors.config import ScorerConfig
+from actors.rewards import RemoteReward, RewardFn, RewardModel, Score
+from buffer.client import BufferClient
+from buffer.protocol import LOGPROB_DTYPE, ProtocolError, Rollout, ScoredRollout
+
+log = logging.getLogger("conveyor.scorer")
+
+
+class RateLimitedLog:
+    """At most one warning per key every `interval_s`; the ones held back are counted into the next."""
+
+    def __init__(self, interval_s: float = 10.0):
+        self.interval_s = interval_s
+        self._last: dict[str, float] = {}
+        self._held = Counter()
+
+    def warn(self, key: str, msg: str) -> None:
+        now = time.monotonic()
+        if now - self._last.get(key, -1e18) < self.interval_s:
+            self._held[key] += 1
+            return
+        held = self._held.pop(key, 0)
+        self._last[key] = now
+        log.warning("%s%s", msg, f" (and {held} more like it since the last report)" if held else "")
+
+
+class Reference:
+    """The frozen reference policy: log-probs of each completion token at temperature 1, computed
+    with the learner's own function (`completion_logprobs`) so the KL term compares like with like."""
+
+    name = "reference"
+
+    def __init__(self, path: str, dtype: str = "float32", device: str = "cpu", batch_size: int = 16):
+        from transformers import AutoTokenizer
+
+        from learner.modeling import load_causal_lm
+
+        self.model = load_causal_lm(path, dtype=dtype, device=device)
+        pad = AutoTokenizer.from_pretrained(path).pad_token_id
+        self.pad_id = int(pad) if pad is not None else 0
+        self.batch_size = batch_size
+
+    def logprobs(self, rollouts: Sequence[Rollout]) -> list[np.ndarray]:
+        from learner.modeling import completion_logprobs
+
+        lps = completion_logprobs(self.model, [r.prompt_ids for r in rollouts], [r.completion_ids for r in rollouts],
+                                  temperature=1.0, batch_size=self.batch_size, pad_id=self.pad_id)
+        return [lp.numpy().astype(LOGPROB_DTYPE) for lp in lps]  # each (T_i,)
+
+
+class Scorer:
+    """The components `cfg.kinds` asks for, and the function that applies them."""
+
+    def __init__(self, cfg: ScorerConfig):
+        self.parts: list[tuple[object, float]] = []  # (component, weight in `reward`)
+        self.reference: Reference | None = None
+        for kind in cfg.kinds:
+            if kind == "reward_fn":
+                self.parts.append((RewardFn(cfg.reward_fn), cfg.reward_fn_weight))
+            elif kind == "reward_model":
+                self.parts.append((RewardModel(cfg.reward_model, cfg.dtype, cfg.device, cfg.batch_size,
+                                               cfg.reward_model_max_len), cfg.reward_model_weight))
+            elif kind == "remote":
+                self.parts.append((RemoteReward(cfg.remote_url, cfg.remote_timeout_s, cfg.remote_retries,
+                                                cfg.remote_backoff_s), cfg.remote_weight))
+            elif kind == "reference":
+                self.reference = Reference(cfg.reference, cfg.dtype, cfg.device, cfg.batch_size)
+            else:
+                raise ValueError(f"scorer.kinds: unknown kind {kind!r}")
+        self.limited = RateLimitedLog(cfg.log_every_s)
+        self.failures = Counter()  # by component name
+        self.scored = 0
+        self.failed = 0
+
+    def _component(self, name: str, fn, n: int):
+        """fn() guarded: an unexpected exception fails the message's samples, not the process."""
+        try:
+            return fn()
+        except Exception as e:
+            return [Score(None, f"{name} raised {type(e).__name__}: {e}")] * n
+
+    def score(self, rollouts: Sequence[Rollout]) -> list[ScoredRollout]:
+        n = len(rollouts)
+        results = {comp.name: self._component(comp.name, lambda c=comp: c.score(rollouts), n)
+                   for comp, _ in self.parts}
+        ref: list = [None] * n
+        if self.reference is not None:
+            got = self._component("reference", lambda: self.reference.logprobs(rollouts), n)
+            ref = [None if isinstance(x, Score) else x for x in got]
+            results["reference"] = [x if isinstance(x, Score) else Score(0.0) for x in got]
+        out = []
+        for i, r in enumerate(rollouts):
+            scores, errors = {}, []
+            for name, res in results.items():
+                s = res[i]
+                if s.value is None:
+                    errors.append(f"{name}: {s.error}")
+                    self.failures[name] += 1
+                    self.limited.warn(name, f"group {r.group_id} sample {r.sample_index}: {name}: {s.error}")
+                elif name != "reference":
+                    scores[name] = s.value
+            reward = 0.0 if errors else sum(w * scores[c.name] for c, w in self.parts)
+            out.append(ScoredRollout(r, reward=reward, scores=scores, ref_logprobs=ref[i],
+                                     failed=bool(errors), error="; ".join(errors)))
+        self.scored += n
+        self.failed += sum(s.failed for s in out)
+        return out
+
+
+def run_scorer(cfg: ScorerConfig, stop: threading.Event | None = None) -> int:
+    """Score until a signal comes (or `stop` is set); the exit code."""
+    worker_id = cfg.worker_id or f"scorer-{socket.gethostname()}-{os.getpid()}"
+    if stop is None:
+        stop = threading.Event()
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                signal.signal(sig, lambda signum, frame: stop.set())
+    scorer = Scorer(cfg)
+    client = BufferClient(cfg.buffer_host, cfg.buffer_port)
+    log.info("%s ready: %s, buffer %s:%d", worker_id, ", ".join(cfg.kinds), cfg.buffer_host, cfg.buffer_port)
+    bad_messages = 0
+    t_log, last_scored, busy_s = time.monotonic(), 0, 0.0
+    try:
+        while not stop.is_set():
+            try:
+                rollouts = client.pull_rollouts(timeout_s=cfg.poll_s)
+            except ProtocolError as e:
+                bad_messages += 1
+                scorer.limited.warn("protocol", f"skipped a malformed rollouts message: {e}")
+                continue
+            if rollouts:
+                t0 = time.monotonic()
+                client.push_scored(scorer.score(rollouts))
+                busy_s += time.monotonic() - t0
+            if time.monotonic() - t_log >= cfg.log_every_s and scorer.scored > last_scored:
+                dt = time.monotonic() - t_log
+                log.info("%d samples in %.1fs (%.1f/s, busy %.0f%%); total scored=%d failed=%d %s bad_messages=%d",
+                         scorer.scored - last_scored, dt, (scorer.scored - last_scored) / dt, 100 * busy_s / dt,
+                         scorer.scored, scorer.failed, dict(scorer.failures), bad_messages)
+                t_log, last_scored, busy_s = time.monotonic(), scorer.scored, 0.0
+    finally:
+        log.info("exiting: scored=%d failed=%d %s", scorer.scored, scorer.failed, dict(scorer.failures))
+        client.close()
+    return 0
