@@ -21,7 +21,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 DEMO_CONFIG = ROOT / "examples" / "demo.yaml"
-DEMO_DEFAULTS = {"warm_steps": 350, "heldout": 200, "train_prompts": 3000, "seed": 0, "out": ""}
+DEMO_DEFAULTS = {"warm_steps": 375, "heldout": 200, "train_prompts": 3000, "seed": 0, "out": ""}
 
 
 def split_demo_args(argv: list[str]) -> tuple[dict, list[str]]:

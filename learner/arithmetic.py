@@ -66,7 +66,7 @@ def warm_start(model_dir: str | Path, out_dir: str | Path, problems: list[dict],
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
     seqs, masks = [], []
     for p in problems:
-        prompt_ids = [tok.bos_token_id] + tok(p["prompt"], add_special_tokens=False)["input_ids"]
+        prompt_ids = tok(p["prompt"])["input_ids"]  # with <s>, exactly as the generator encodes it
         answer_ids = tok(p["label"] + "\n", add_special_tokens=False)["input_ids"]
         seqs.append(prompt_ids + answer_ids)
         masks.append([0] * len(prompt_ids) + [1] * len(answer_ids))
@@ -105,8 +105,7 @@ def greedy_accuracy(model_or_dir, problems: list[dict], max_new_tokens: int = 5)
         model = AutoModelForCausalLM.from_pretrained(model_or_dir, dtype=torch.float32).eval()
     tok = AutoTokenizer.from_pretrained(getattr(model, "name_or_path", model_or_dir))
     # every prompt "ab+cd=" has the same length, so the batch needs no padding
-    prompts = torch.tensor([[tok.bos_token_id] + tok(p["prompt"], add_special_tokens=False)["input_ids"]
-                            for p in problems])
+    prompts = torch.tensor([tok(p["prompt"])["input_ids"] for p in problems])
     with torch.no_grad():
         out = model.generate(prompts, max_new_tokens=max_new_tokens, do_sample=False,
                              pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)

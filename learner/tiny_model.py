@@ -27,13 +27,18 @@ def vocab() -> dict[str, int]:
 
 def build_tokenizer():
     """A `PreTrainedTokenizerFast` that maps every character to one token and decodes by joining."""
-    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors
     from transformers import PreTrainedTokenizerFast
 
     tok = Tokenizer(models.WordLevel(vocab=vocab(), unk_token=UNK))
     # [\s\S] rather than "." so that "\n" is a character like any other.
     tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
     tok.decoder = decoders.Fuse()
+    # Every sequence starts with <s> (as Llama tokenizers do), so a prompt encoded by any role,
+    # the generator's `encode` or a trainer's `__call__`, yields the same ids.
+    v = vocab()
+    tok.post_processor = processors.TemplateProcessing(
+        single=f"{BOS} $A", pair=f"{BOS} $A {BOS} $B", special_tokens=[(BOS, v[BOS])])
     return PreTrainedTokenizerFast(
         tokenizer_object=tok,
         bos_token=BOS,
