@@ -57,13 +57,19 @@ def main(argv: list[str] | None = None) -> None:
             buf = load_section(BufferConfig, "buffer", config_path, {})
             cfg.buffer_host = cfg.buffer_host or buf.host
             cfg.buffer_port = cfg.buffer_port or buf.port
+        weight_sync = None
+        if cfg.weight_sync_port:
+            from weight_sync.config import WeightSyncConfig
+
+            # the sender's knobs (bucket size, backend, join timeout) live in the `weight_sync:` section
+            weight_sync = load_section(WeightSyncConfig, "weight_sync", config_path, {})
     except ConfigError as e:
         print(f"launch.learner: {e}", file=sys.stderr)
         sys.exit(2)
 
     from learner.trainer import run
 
-    run(cfg)
+    run(cfg, weight_sync=weight_sync)
 
 
 if __name__ == "__main__":

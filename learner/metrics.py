@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import math
+import time
 import sys
 from pathlib import Path
 from typing import Any
@@ -42,7 +43,8 @@ class MetricsWriter:
     def log(self, step: int, values: dict[str, float]) -> None:
         clean = {k: float(v) for k, v in sorted(values.items())}
         # JSON has no NaN/inf: they become null (e.g. the grad norm when DeepSpeed does not compute it)
-        self._jsonl.write(json.dumps({"step": step, **{k: v if math.isfinite(v) else None
+        # `time`: wall clock when the step was logged (for throughput to K steps across runs)
+        self._jsonl.write(json.dumps({"step": step, "time": time.time(), **{k: v if math.isfinite(v) else None
                                                        for k, v in clean.items()}}) + "\n")
         if self._tb is not None:
             for k, v in clean.items():

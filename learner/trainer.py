@@ -41,20 +41,22 @@ def log(msg: str) -> None:
     print(f"learner: {msg}", file=sys.stderr, flush=True)
 
 
-def run(cfg: LearnerConfig, source=None) -> dict[str, float]:
+def run(cfg: LearnerConfig, source=None, weight_sync=None) -> dict[str, float]:
     """Train until `total_steps` or until the buffer is done; returns the last step's metrics.
 
     `source` answers `get_batch(step, rank, world_size, timeout_s=...)` and `set_version(v)`;
-    default: a `BufferClient` at the configured buffer.
+    default: a `BufferClient` at the configured buffer. `weight_sync`: the run's
+    `WeightSyncConfig` (bucket size, backend, join timeout, ...) for the sender on rank 0.
     """
     rank, world, device = init_distributed(cfg)
     try:
-        return train(cfg, source, rank, world, device)
+        return train(cfg, source, rank, world, device, weight_sync)
     finally:
         shutdown_distributed()
 
 
-def train(cfg: LearnerConfig, source, rank: int, world: int, device: torch.device) -> dict[str, float]:
+def train(cfg: LearnerConfig, source, rank: int, world: int, device: torch.device,
+          weight_sync=None) -> dict[str, float]:
     """The loop itself, on a rank of an initialised process group."""
     torch.manual_seed(cfg.seed)
     policy = build_policy_engine(cfg)
@@ -80,7 +82,13 @@ def train(cfg: LearnerConfig, source, rank: int, world: int, device: torch.devic
         if cfg.weight_sync_port:
             from weight_sync.sender import WeightSender
 
-            sender = WeightSender(cfg.weight_sync_host, cfg.weight_sync_port, cfg.weight_sync_timeout_s)
+            if weight_sync is not None:
+                # the learner's own address and timeout win over the section's (they may be overridden)
+                sender = WeightSender.from_config(dataclasses.replace(
+                    weight_sync, host=cfg.weight_sync_host, port=cfg.weight_sync_port,
+                    timeout_s=cfg.weight_sync_timeout_s))
+            else:
+                sender = WeightSender(cfg.weight_sync_host, cfg.weight_sync_port, cfg.weight_sync_timeout_s)
         tell_version(source, step)
         print(f"learner ready: {world} rank(s), ZeRO-{cfg.zero_stage}, {cfg.dtype}, {cfg.advantage_estimator}, "
               f"steps {step}..{cfg.total_steps - 1}", flush=True)
