@@ -43,6 +43,9 @@ test: install
 
 bench: install
 	$(PY) bench/transport.py
+	$(PY) bench/weight_sync.py
+	$(PY) bench/generation.py
+	$(PY) bench/async_vs_sync.py
 
 clean:
 	rm -rf $(VENV) runs/ .pytest_cache
