@@ -33,6 +33,10 @@ class BufferConfig:
     """Where accepted groups and counters are persisted (empty: not persisted)."""
     max_queued_groups: int = 4096
     """Complete groups held for learners at most; past it the oldest are dropped and counted."""
+    log_interval_s: float = 30.0
+    """Seconds between the info-level summaries the buffer logs."""
+    log_level: str = "info"
+    """Logging level of the buffer process: debug (a line per lease and batch), info, warning."""
 
     def validate(self) -> None:
         errs = []
@@ -48,6 +52,13 @@ class BufferConfig:
             errs.append(f"buffer.lease_ttl_s={self.lease_ttl_s} must be > 0")
         if self.max_epochs < 1:
             errs.append(f"buffer.max_epochs={self.max_epochs} must be >= 1")
+        if self.max_queued_groups < self.prompts_per_step:
+            errs.append(f"buffer.max_queued_groups={self.max_queued_groups} must be >= "
+                        f"buffer.prompts_per_step={self.prompts_per_step} (a step's batch must fit)")
+        if self.log_interval_s <= 0:
+            errs.append(f"buffer.log_interval_s={self.log_interval_s} must be > 0")
+        if self.log_level.lower() not in ("debug", "info", "warning", "error"):
+            errs.append(f"buffer.log_level={self.log_level!r} must be one of debug, info, warning, error")
         if errs:
             raise ValueError("; ".join(errs))
 

@@ -113,8 +113,11 @@ def _array(d: dict, key: str, where: str, dtype: np.dtype, limits: Limits, optio
     return np.frombuffer(v, dtype=dtype)
 
 
-def _scalar_map(d: dict, key: str, where: str, limits: Limits, values=(int, float, str, bool)) -> dict:
-    v = d.get(key) or {}
+def _scalar_map(d: dict, key: str, where: str, limits: Limits, values=(int, float, str, bool),
+                allow_none: bool = True) -> dict:
+    v = d.get(key)
+    if v is None:
+        v = {}
     if not isinstance(v, dict):
         raise ProtocolError(f"{where}.{key}", f"expected map, got {type(v).__name__}")
     if len(v) > limits.max_items:
@@ -122,7 +125,9 @@ def _scalar_map(d: dict, key: str, where: str, limits: Limits, values=(int, floa
     for k, x in v.items():
         if not isinstance(k, str):
             raise ProtocolError(f"{where}.{key}", f"key {k!r} is not a string")
-        if x is not None and not isinstance(x, values):
+        if x is None and allow_none:
+            continue
+        if not isinstance(x, values):
             raise ProtocolError(f"{where}.{key}.{k}", f"unsupported value type {type(x).__name__}")
     return v
 
@@ -233,7 +238,7 @@ class ScoredRollout:
             rollout=Rollout.from_wire(_get(d, "rollout", where), f"{where}.rollout", limits),
             # a failed sample may carry a non-finite reward (that may be why it failed)
             reward=_float(d, "reward", where, finite=not failed),
-            scores=_scalar_map(d, "scores", where, limits, values=(int, float)),
+            scores=_scalar_map(d, "scores", where, limits, values=(int, float), allow_none=False),
             ref_logprobs=_array(d, "ref_logprobs", where, LOGPROB_DTYPE, limits, optional=True),
             failed=failed,
             error=_str(d, "error", where, limits),
@@ -453,6 +458,8 @@ def decode_envelope(frames: Sequence[Any], limits: Limits = DEFAULT_LIMITS) -> t
     if v != SCHEMA_VERSION:
         raise ProtocolError("envelope.v", f"schema version {v!r}, this side speaks {SCHEMA_VERSION}")
     kind = env.get("type")
+    if not isinstance(kind, str):  # a list or map here would make the lookups below raise TypeError
+        raise ProtocolError("envelope.type", f"expected str, got {type(kind).__name__}")
     if kind not in _DECODERS and kind not in _ITEM_TYPES and kind != "batch":
         raise ProtocolError("envelope.type", f"unknown message type {kind!r}")
     if kind in _ITEM_TYPES or kind == "batch":
@@ -473,7 +480,7 @@ def decode(frames: Sequence[Any], limits: Limits = DEFAULT_LIMITS) -> Any:
         return msg_cls(items)
     if kind == "batch":
         items = [decode_item(f, "scored", f"batch[{i}]", limits) for i, f in enumerate(frames[1:])]
-        stats = _scalar_map(env, "stats", "batch", limits, values=(int, float))
+        stats = _scalar_map(env, "stats", "batch", limits, values=(int, float), allow_none=False)
         return Batch(
             step=_int(env, "step", "batch", 0),
             rank=_int(env, "rank", "batch", 0),
@@ -520,8 +527,8 @@ _DECODERS = {
         _int(d, "world_size", "batch_request", 1, 1 << 16)),
     "set_version": lambda d, L: SetVersion(_int(d, "version", "set_version", 0)),
     "metrics_request": lambda d, L: MetricsRequest(),
-    "metrics": lambda d, L: Metrics({k: float(v) for k, v in
-                                     _scalar_map(d, "values", "metrics", L, values=(int, float)).items()}),
+    "metrics": lambda d, L: Metrics({k: float(v) for k, v in _scalar_map(
+        d, "values", "metrics", L, values=(int, float), allow_none=False).items()}),
     "ack": lambda d, L: Ack(_int(d, "accepted", "ack", 0), _int(d, "rejected", "ack", 0), _str(d, "info", "ack", L)),
     "error": lambda d, L: Error(_str(d, "message", "error", L), _str(d, "field", "error", L)),
 }

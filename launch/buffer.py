@@ -84,10 +84,11 @@ def main(argv: list[str] | None = None) -> int:
 
     from buffer.service import ResumeError, serve
     from buffer.state import PromptsError
+    from buffer.store import StateLocked
 
     try:
         return serve(cfg, resume=resume)
-    except (PromptsError, ResumeError) as e:
+    except (PromptsError, ResumeError, StateLocked) as e:
         print(f"launch.buffer: {e}", file=sys.stderr)
         return 2
     except OSError as e:  # a port already taken

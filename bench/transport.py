@@ -1,0 +1,359 @@
+"""Throughput of scored rollouts through a real replay buffer, against a bare ZeroMQ pipe.
+
+    python bench/transport.py [--n 20000] [--warmup 2048] [--tokens 1024] [--group 8] [--per-step 32]
+                              [--only-buffer] [--profile-buffer PATH]
+
+Three runs, each with a producer and a consumer process (multiprocessing, spawn start method):
+
+  buffer  producer -> buffer (`python -m launch.buffer`, a process of its own) -> consumer.
+          The producer takes real leases, in bulk (up to a step's worth of groups per request),
+          answers each group with one `scored` message of `--group` rollouts pushed to the
+          buffer's ingest socket, and leases again. The consumer is a learner:
+          `BufferClient.get_batch(step)` for step 0, 1, 2, ..., which also moves the buffer's
+          version and so opens admission for more leases. Nothing in the buffer is switched off
+          for the bench: admission control (max_staleness 16, so it bounds memory rather than
+          throttling), lease checks, per-rollout validation, group completion and batch assembly
+          all run as in training.
+  raw     the same producer code sends the same frames (same sizes, same envelope) over a bare
+          PUSH/PULL pair, and the consumer decodes each message with `protocol.decode`, as
+          `get_batch` does: the two runs differ by the buffer hop only. `ratio` compares these.
+  raw_recv_only   the same, with a consumer that only receives: the bare transport.
+
+A rollout carries `--tokens` completion tokens (ids, behaviour log-probs and versions as packed
+arrays, ~12 KiB for 1,024 tokens) and a 16-token prompt. The producer msgpack-encodes each
+rollout's map (the arrays are packed once; the ids change per rollout), as a scorer would.
+Throughput counts the rollouts the consumer has decoded, after `--warmup` of them, over `--n` more.
+CPU time per rollout is reported for every process (the buffer's read from /proc): wall-clock
+figures on a shared machine move with the load, CPU per rollout much less.
+
+Why the ratio cannot approach 1: the buffer hop receives every rollout and sends it again, and
+moving 12 KiB through ZeroMQ costs about as much CPU as receiving it at the far end; the buffer
+process also checks every rollout once. On a 2-core machine the three processes of the buffer
+path share the cores that the two processes of the raw path have to themselves.
+
+Progress goes to stderr; the last line on stdout is one JSON object:
+`{"rollouts_per_s", "raw_rollouts_per_s", "ratio", "tokens_per_rollout", "n", ...}`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import queue
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+
+def say(*args) -> None:
+    print("[bench]", *args, file=sys.stderr, flush=True)
+
+
+def free_base_port(n: int = 4) -> int:
+    """A port p with p .. p+n-1 all free on 127.0.0.1 right now."""
+    for _ in range(200):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            base = s.getsockname()[1]
+        if base + n >= 65536:
+            continue
+        socks = []
+        try:
+            for p in range(base, base + n):
+                s = socket.socket()
+                socks.append(s)
+                s.bind(("127.0.0.1", p))
+            return base
+        except OSError:
+            continue
+        finally:
+            for s in socks:
+                s.close()
+    raise RuntimeError("no 4 consecutive free ports")
+
+
+class Fabricator:
+    """Scored-rollout frames with the arrays packed once; only the ids change between rollouts."""
+
+    def __init__(self, tokens: int):
+        import msgpack
+        import numpy as np
+
+        from buffer.protocol import ID_DTYPE, LOGPROB_DTYPE, SCHEMA_VERSION
+
+        rng = np.random.default_rng(0)
+        self._versions = lambda v: np.full(tokens, v, ID_DTYPE).tobytes()
+        self._versions_cache: dict[int, bytes] = {}
+        self.packb = msgpack.packb
+        self.v = SCHEMA_VERSION
+        self.rollout = {
+            "group_id": 0, "sample_index": 0, "lease_id": 0,
+            "prompt_ids": rng.integers(0, 32000, 16).astype(ID_DTYPE).tobytes(),
+            "completion_ids": rng.integers(0, 32000, tokens).astype(ID_DTYPE).tobytes(),
+            "behav_logprobs": (-rng.random(tokens)).astype(LOGPROB_DTYPE).tobytes(),
+            "versions": b"",
+            "prompt": "What is 12 + 34? Answer with the digits reversed.",
+            "completion": "", "label": "64", "finish_reason": "length", "worker_id": "bench",
+        }
+        self.scored = {"rollout": self.rollout, "reward": 1.0, "scores": {}, "ref_logprobs": None,
+                       "failed": False, "error": "", "metadata": {}}
+
+    def group(self, group_id: int, lease_id: int, n: int, version: int) -> list[bytes]:
+        """One `scored` message: envelope + n rollout frames of group `group_id`."""
+        r = self.rollout
+        r["group_id"], r["lease_id"] = group_id, lease_id
+        if version not in self._versions_cache:  # every token sampled by the weights of the lease's version
+            self._versions_cache[version] = self._versions(version)
+        r["versions"] = self._versions_cache[version]
+        frames = [self.packb({"v": self.v, "type": "scored", "n": n})]
+        for i in range(n):
+            r["sample_index"] = i
+            frames.append(self.packb(self.scored, use_bin_type=True))
+        return frames
+
+
+# --------------------------------------------------------------------------------------------
+# the four processes' bodies; each reports to the parent over `out`:
+#   ("progress", rollouts so far)   about once a second, from consumers
+#   ("result", rollouts/s, rollouts measured)   from consumers, at the end
+#   ("cpu", role, CPU seconds over the whole run)   from every process, at the end
+
+
+class Meter:
+    """A consumer's clock: starts after the warm-up, reports progress once a second."""
+
+    def __init__(self, warmup: int, out):
+        self.warmup, self.out = warmup, out
+        self.t0 = self.at = None
+        self.next_report = time.monotonic() + 1.0
+
+    def add(self, got: int) -> None:
+        if self.t0 is None and got >= self.warmup:
+            self.t0, self.at = time.perf_counter(), got
+        if time.monotonic() >= self.next_report:
+            self.out.put(("progress", got))
+            self.next_report = time.monotonic() + 1.0
+
+    def done(self, got: int) -> None:
+        self.out.put(("result", (got - self.at) / (time.perf_counter() - self.t0), got - self.at))
+
+
+def produce_buffer(port: int, tokens: int, group: int, per_step: int, groups: int, out) -> None:
+    import zmq
+
+    from buffer.client import BufferClient
+    from buffer.config import endpoints
+    from buffer.protocol import LeaseGrant
+
+    fab = Fabricator(tokens)
+    cpu0 = time.process_time()
+    client = BufferClient(port=port, timeout_s=30)
+    push = zmq.Context.instance().socket(zmq.PUSH)
+    push.setsockopt(zmq.SNDHWM, 1000)
+    push.setsockopt(zmq.LINGER, 10000)
+    push.connect(endpoints("127.0.0.1", port)["ingest"])
+    sent = 0
+    while sent < groups:
+        grant = client.lease("bench-producer", max_groups=per_step)
+        if not isinstance(grant, LeaseGrant):
+            if grant.done:
+                break
+            time.sleep(0.001)  # admission: the learner has not caught up
+            continue
+        for g in grant.groups:
+            # the frames a scorer would push (same bytes as BufferClient.push_scored encodes)
+            push.send_multipart(fab.group(g.group_id, grant.lease_id, group, grant.version))
+        sent += len(grant.groups)
+    out.put(("cpu", "producer", time.process_time() - cpu0))
+    push.close()
+    client.close()
+    zmq.Context.instance().term()  # waits (LINGER) for queued messages: exiting without it drops them
+
+
+def consume_buffer(port: int, total: int, warmup: int, out) -> None:
+    from buffer.client import BufferClient
+
+    client = BufferClient(port=port, timeout_s=60)
+    meter = Meter(warmup, out)
+    cpu0 = time.process_time()
+    got, step = 0, 0
+    while got < total:
+        batch = client.get_batch(step, poll_s=0.001)
+        got += len(batch.scored)  # decoded: read-only array views over the received frames
+        step += 1
+        meter.add(got)
+    meter.done(got)
+    out.put(("cpu", "consumer", time.process_time() - cpu0))
+    client.close()
+
+
+def produce_raw(port: int, tokens: int, group: int, groups: int, out) -> None:
+    import zmq
+
+    fab = Fabricator(tokens)
+    cpu0 = time.process_time()
+    push = zmq.Context.instance().socket(zmq.PUSH)
+    push.setsockopt(zmq.SNDHWM, 1000)
+    push.setsockopt(zmq.LINGER, 10000)
+    push.connect(f"tcp://127.0.0.1:{port}")
+    for k in range(groups):
+        push.send_multipart(fab.group(k, 1, group, 0))
+    out.put(("cpu", "producer", time.process_time() - cpu0))
+    push.close()
+    zmq.Context.instance().term()  # waits (LINGER) for queued messages: exiting without it drops them
+
+
+def consume_raw(port: int, total: int, warmup: int, decode_items: bool, out) -> None:
+    import zmq
+
+    from buffer.protocol import decode
+
+    pull = zmq.Context.instance().socket(zmq.PULL)
+    pull.setsockopt(zmq.RCVHWM, 1000)
+    pull.bind(f"tcp://127.0.0.1:{port}")
+    out.put(("bound",))
+    meter = Meter(warmup, out)
+    cpu0 = time.process_time()
+    got = 0
+    while got < total:
+        frames = pull.recv_multipart()
+        got += len(decode(frames).scored) if decode_items else len(frames) - 1
+        meter.add(got)
+    meter.done(got)
+    out.put(("cpu", "consumer", time.process_time() - cpu0))
+    pull.close()
+
+
+# --------------------------------------------------------------------------------------------
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of a process, from /proc (Linux)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, IndexError, ValueError):
+        return float("nan")
+
+
+def collect(name: str, out, procs: list, total: int, stall_s: float = 60.0) -> tuple[float, int, dict]:
+    """Read the processes' reports until the consumer's result and every CPU figure are in."""
+    result, cpu = None, {}
+    while result is None or len(cpu) < len(procs):
+        try:
+            msg = out.get(timeout=stall_s)
+        except queue.Empty:
+            dead = [f"{p.name} exit {p.exitcode}" for p in procs if not p.is_alive()]
+            for p in procs:
+                p.kill()
+            raise RuntimeError(f"{name}: nothing reported for {stall_s:.0f}s ({', '.join(dead) or 'all alive'})")
+        if msg[0] == "progress":
+            say(f"{name}: {msg[1]:,} / {total:,} rollouts")
+        elif msg[0] == "result":
+            result = msg[1:]
+        elif msg[0] == "cpu":
+            cpu[msg[1]] = msg[2]
+    for p in procs:
+        p.join(30)
+    return result[0], result[1], cpu
+
+
+def run_buffer(args, ctx) -> tuple[float, int, dict]:
+    groups = -(-(args.n + args.warmup) // args.group)
+    groups = -(-groups // args.per_step) * args.per_step  # whole steps
+    total = groups * args.group
+    port = free_base_port()
+    with tempfile.TemporaryDirectory() as tmp:
+        prompts = Path(tmp) / "prompts.jsonl"
+        prompts.write_text("".join(json.dumps({"prompt": f"{k // 10} + {k % 10}", "label": str(k)}) + "\n"
+                                   for k in range(groups)))
+        prof = ["-m", "cProfile", "-o", args.profile_buffer] if args.profile_buffer else []
+        cmd = [sys.executable, *prof, "-m", "launch.buffer", "--buffer.port", str(port),
+               "--buffer.prompts", str(prompts), "--buffer.prompts_per_step", str(args.per_step), "--buffer.n_samples_per_prompt", str(args.group),
+               "--buffer.max_staleness", "16", "--buffer.log_level", "warning"]
+        buf = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, text=True,
+                               env={**os.environ, "PYTHONPATH": str(ROOT)})
+        try:
+            line = buf.stdout.readline()
+            if not line.startswith("buffer ready"):
+                raise RuntimeError(f"buffer did not start: {line!r}")
+            buffer_cpu0 = cpu_seconds(buf.pid)
+            out = ctx.Queue()
+            procs = [ctx.Process(target=consume_buffer, args=(port, total, args.warmup, out), name="consumer"),
+                     ctx.Process(target=produce_buffer, name="producer",
+                                 args=(port, args.tokens, args.group, args.per_step, groups, out))]
+            for p in procs:
+                p.start()
+            rate, n, cpu = collect("buffer path", out, procs, total)
+            cpu["buffer"] = cpu_seconds(buf.pid) - buffer_cpu0
+        finally:
+            buf.terminate()
+            buf.wait(10)
+    return rate, n, {k: 1e6 * v / total for k, v in cpu.items()}
+
+
+def run_raw(args, ctx, decode_items: bool) -> tuple[float, int, dict]:
+    groups = -(-(args.n + args.warmup) // args.group)
+    total = groups * args.group
+    port = free_base_port(1)
+    out = ctx.Queue()
+    cons = ctx.Process(target=consume_raw, args=(port, total, args.warmup, decode_items, out), name="consumer")
+    cons.start()
+    if out.get(timeout=60) != ("bound",):
+        raise RuntimeError("raw consumer did not start")
+    prod = ctx.Process(target=produce_raw, args=(port, args.tokens, args.group, groups, out), name="producer")
+    prod.start()
+    rate, n, cpu = collect("bare PUSH/PULL" + (" + decode" if decode_items else ""), out, [cons, prod], total)
+    return rate, n, {k: 1e6 * v / total for k, v in cpu.items()}
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--n", type=int, default=20000, help="rollouts measured (after the warm-up)")
+    p.add_argument("--warmup", type=int, default=2048, help="rollouts before the clock starts")
+    p.add_argument("--tokens", type=int, default=1024, help="completion tokens per rollout")
+    p.add_argument("--group", type=int, default=8, help="rollouts per prompt group (one message each)")
+    p.add_argument("--per-step", type=int, default=32, help="prompt groups per learner batch")
+    p.add_argument("--profile-buffer", metavar="PATH", default="",
+                   help="run the buffer under cProfile, stats to PATH (read with python -m pstats)")
+    p.add_argument("--only-buffer", action="store_true", help="skip the bare PUSH/PULL runs")
+    args = p.parse_args(argv)
+    ctx = mp.get_context("spawn")
+
+    say(f"buffer path: {args.n} rollouts of {args.tokens} tokens, groups of {args.group}, "
+        f"{args.per_step} groups per batch")
+    rate, n, cpu = run_buffer(args, ctx)
+    say(f"buffer path: {rate:,.0f} rollouts/s; CPU us per rollout: {_fmt(cpu)}")
+    if args.only_buffer:
+        return
+    raw, _, raw_cpu = run_raw(args, ctx, decode_items=True)
+    say(f"bare PUSH/PULL, consumer decodes: {raw:,.0f} rollouts/s; CPU us per rollout: {_fmt(raw_cpu)}")
+    recv_only, _, recv_cpu = run_raw(args, ctx, decode_items=False)
+    say(f"bare PUSH/PULL, receive only: {recv_only:,.0f} rollouts/s; CPU us per rollout: {_fmt(recv_cpu)}")
+    print(json.dumps({"rollouts_per_s": round(rate), "raw_rollouts_per_s": round(raw),
+                      "ratio": round(rate / raw, 3), "tokens_per_rollout": args.tokens, "n": n,
+                      "raw_recv_only_rollouts_per_s": round(recv_only),
+                      "ratio_to_recv_only": round(rate / recv_only, 3),
+                      "cpu_us_per_rollout": {"buffer_path": _round(cpu), "raw": _round(raw_cpu),
+                                             "raw_recv_only": _round(recv_cpu)},
+                      "load_avg_1m": os.getloadavg()[0]}))
+
+
+def _fmt(cpu: dict) -> str:
+    return ", ".join(f"{k} {v:.1f}" for k, v in sorted(cpu.items()))
+
+
+def _round(cpu: dict) -> dict:
+    return {k: round(v, 1) for k, v in sorted(cpu.items())}
+
+
+if __name__ == "__main__":
+    main()

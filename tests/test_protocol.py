@@ -1,0 +1,262 @@
+"""The wire protocol: round trips of every message, array views, limits and malformed envelopes."""
+
+import msgpack
+import numpy as np
+import pytest
+
+from buffer.protocol import (
+    ID_DTYPE,
+    LOGPROB_DTYPE,
+    SCHEMA_VERSION,
+    Ack,
+    Batch,
+    BatchRequest,
+    Error,
+    GroupFailed,
+    LeaseGrant,
+    LeaseRenew,
+    LeaseRequest,
+    Limits,
+    Metrics,
+    MetricsRequest,
+    PromptGroup,
+    ProtocolError,
+    Rollout,
+    RolloutsMsg,
+    ScoredMsg,
+    ScoredRollout,
+    SetVersion,
+    Wait,
+    decode,
+    decode_envelope,
+    decode_item,
+    encode,
+    encode_batch,
+    encode_item,
+)
+
+
+def rollout(group_id=3, sample_index=1, lease_id=7, t=5, label="42"):
+    return Rollout(
+        group_id=group_id, sample_index=sample_index, lease_id=lease_id,
+        prompt_ids=np.array([1, 2, 3]), completion_ids=np.arange(10, 10 + t),
+        behav_logprobs=-np.linspace(0.1, 0.5, t), versions=np.full(t, 4),
+        prompt="2+2=", completion="4", label=label, finish_reason="stop", worker_id="gen-0",
+    )
+
+
+def scored(**kw):
+    r = rollout(**kw)
+    return ScoredRollout(r, reward=0.5, scores={"correct": 1.0, "len": -0.5},
+                         ref_logprobs=-np.linspace(0.2, 0.6, len(r.completion_ids)),
+                         metadata={"k": 1, "s": "x", "b": True, "n": None})
+
+
+def assert_rollout_equal(a: Rollout, b: Rollout):
+    for name in ("group_id", "sample_index", "lease_id", "prompt", "completion", "label", "finish_reason",
+                 "worker_id"):
+        assert getattr(a, name) == getattr(b, name), name
+    np.testing.assert_array_equal(a.prompt_ids, b.prompt_ids)
+    np.testing.assert_array_equal(a.completion_ids, b.completion_ids)
+    np.testing.assert_array_equal(a.versions, b.versions)
+    np.testing.assert_allclose(a.behav_logprobs, b.behav_logprobs, rtol=1e-6)  # float32 on the wire
+
+
+def roundtrip(msg):
+    frames = encode(msg)
+    assert all(isinstance(f, bytes) for f in frames)
+    return decode(frames)
+
+
+# ---- round trips ------------------------------------------------------------------------------
+
+
+def test_rollouts_and_scored_round_trip():
+    rs = [rollout(sample_index=i, t=3 + i) for i in range(3)]
+    back = roundtrip(RolloutsMsg(rs))
+    assert isinstance(back, RolloutsMsg) and len(back.rollouts) == 3
+    for a, b in zip(rs, back.rollouts):
+        assert_rollout_equal(a, b)
+
+    s = scored()
+    back = roundtrip(ScoredMsg([s]))
+    assert isinstance(back, ScoredMsg)
+    b = back.scored[0]
+    assert_rollout_equal(s.rollout, b.rollout)
+    assert b.reward == 0.5 and b.scores == {"correct": 1.0, "len": -0.5} and not b.failed
+    assert b.metadata == {"k": 1, "s": "x", "b": True, "n": None}
+    np.testing.assert_allclose(b.ref_logprobs, s.ref_logprobs, rtol=1e-6)
+
+
+def test_arrays_arrive_as_read_only_views_with_the_wire_dtypes():
+    s = scored()
+    s.rollout.label = None
+    b = roundtrip(ScoredMsg([s])).scored[0]
+    r = b.rollout
+    assert r.label is None
+    for arr, dtype in ((r.prompt_ids, ID_DTYPE), (r.completion_ids, ID_DTYPE), (r.versions, ID_DTYPE),
+                       (r.behav_logprobs, LOGPROB_DTYPE), (b.ref_logprobs, LOGPROB_DTYPE)):
+        assert arr.dtype == dtype
+        assert not arr.flags.writeable  # a view over the received bytes, not a copy
+        assert arr.base is not None
+    assert r.completion_ids.tolist() == [10, 11, 12, 13, 14]
+    assert r.versions.tolist() == [4] * 5
+    assert r.min_version == 4
+    # -0.1 .. -0.5 as float32
+    np.testing.assert_array_equal(r.behav_logprobs, np.float32(-np.linspace(0.1, 0.5, 5)))
+    with pytest.raises(ValueError):
+        r.completion_ids[0] = 1
+
+
+def test_batch_round_trips_and_encode_batch_forwards_frames_unchanged():
+    items = [scored(sample_index=i) for i in range(2)]
+    b = roundtrip(Batch(step=5, rank=1, world_size=2, scored=items, stats={"staleness_mean": 0.5}))
+    assert (b.step, b.rank, b.world_size, b.stats) == (5, 1, 2, {"staleness_mean": 0.5})
+    assert [x.rollout.sample_index for x in b.scored] == [0, 1]
+
+    frames = [encode_item(x) for x in items]
+    out = encode_batch(6, 0, 1, frames, {"n": 2})
+    assert out[1:] == frames  # the buffer's accepted bytes go out as they came in
+    assert decode(out).step == 6
+
+
+@pytest.mark.parametrize("msg", [
+    LeaseRequest("gen-1", max_groups=4, version=2),
+    LeaseRenew(9),
+    GroupFailed(9, 12, "prompt too long"),
+    Wait("admission", retry_after_s=0.25, done=False),
+    Wait("exhausted", retry_after_s=0.1, done=True),
+    BatchRequest(step=3, rank=1, world_size=4),
+    SetVersion(11),
+    MetricsRequest(),
+    Metrics({"buffer/version": 3.0, "buffer/late": 2.0}),
+    Ack(accepted=3, rejected=1, info="ok"),
+    Error("bad thing", field="batch_request.rank"),
+], ids=lambda m: type(m).__name__)
+def test_control_messages_round_trip(msg):
+    frames = encode(msg)
+    assert len(frames) == 1
+    assert roundtrip(msg) == msg
+
+
+def test_lease_grant_round_trips():
+    g = LeaseGrant(lease_id=4, groups=[PromptGroup(0, "a", None, 7), PromptGroup(1, "b", "x", 2)],
+                   n_samples=8, ttl_s=30.0, version=3)
+    assert roundtrip(g) == g
+
+
+def test_encode_refuses_non_messages():
+    with pytest.raises(TypeError):
+        encode({"type": "ack"})
+
+
+# ---- limits -----------------------------------------------------------------------------------
+
+
+def test_oversized_frame_message_and_frame_count_are_refused():
+    frames = encode(ScoredMsg([scored(t=100), scored(t=100)]))
+    size = len(frames[1])
+    with pytest.raises(ProtocolError) as e:
+        decode(frames, Limits(max_frame_bytes=size - 1))
+    assert e.value.field == "frame[1]"
+    with pytest.raises(ProtocolError) as e:
+        decode(frames, Limits(max_message_bytes=2 * size))
+    assert e.value.field == "message"
+    with pytest.raises(ProtocolError) as e:
+        decode(frames, Limits(max_frames=2))
+    assert e.value.field == "message"
+    assert len(decode(frames).scored) == 2  # within the default limits
+
+
+def test_oversized_array_and_string_are_refused_naming_the_field():
+    frames = encode(ScoredMsg([scored(t=64)]))
+    with pytest.raises(ProtocolError) as e:
+        decode(frames, Limits(max_tokens=63))
+    assert e.value.field == "scored[0].rollout.completion_ids"
+    s = scored()
+    s.rollout.prompt = "x" * 100
+    with pytest.raises(ProtocolError) as e:
+        decode(encode(ScoredMsg([s])), Limits(max_str_bytes=99))
+    assert "scored[0]" in e.value.field  # msgpack's own str limit names the item
+    with pytest.raises(ProtocolError) as e:
+        decode(encode(Metrics({f"m{i}": 1.0 for i in range(10)})), Limits(max_items=5))
+    assert e.value.field == "envelope" and "max_map_len" in str(e.value)  # refused while unpacking
+
+
+# ---- malformed envelopes and items ------------------------------------------------------------
+
+
+def env(**kw):
+    return msgpack.packb({"v": SCHEMA_VERSION, **kw}, use_bin_type=True)
+
+
+def test_wrong_schema_version_is_refused():
+    frames = encode(SetVersion(1))
+    d = msgpack.unpackb(frames[0])
+    d["v"] = SCHEMA_VERSION + 1
+    with pytest.raises(ProtocolError) as e:
+        decode([msgpack.packb(d)])
+    assert e.value.field == "envelope.v"
+
+
+@pytest.mark.parametrize("frames,field", [
+    ([], "message"),
+    ([b"\xc1"], "envelope"),  # 0xc1 is never valid msgpack
+    ([msgpack.packb([1, 2])], "envelope"),
+    ([env(type="nonsense")], "envelope.type"),
+    ([env(type=["a"])], "envelope.type"),  # an unhashable type used to escape as TypeError
+    ([env(type="set_version")], "set_version.version"),
+    ([env(type="set_version", version="3")], "set_version.version"),
+    ([env(type="set_version", version=True)], "set_version.version"),
+    ([env(type="set_version", version=-1)], "set_version.version"),
+    ([env(type="set_version", version=1), b"extra"], "message"),
+    ([env(type="scored", n=2), b"x"], "scored.n"),
+    ([env(type="metrics", values={"a": None})], "metrics.values.a"),  # used to escape as TypeError
+    ([env(type="batch_request", step=0, rank=1 << 17, world_size=1)], "batch_request.rank"),
+    ([env(type="lease_request", worker_id="w", max_groups=0, version=0)], "lease_request.max_groups"),
+])
+def test_malformed_envelopes_name_the_field(frames, field):
+    with pytest.raises(ProtocolError) as e:
+        decode(frames)
+    assert e.value.field == field
+
+
+def test_length_mismatches_are_refused():
+    s = scored(t=5)
+    s.rollout.versions = np.zeros(4)
+    with pytest.raises(ProtocolError) as e:
+        decode(encode(ScoredMsg([s])))
+    assert e.value.field == "scored[0].rollout.versions"
+
+    s = scored(t=5)
+    s.ref_logprobs = np.zeros(6)
+    with pytest.raises(ProtocolError) as e:
+        decode(encode(ScoredMsg([s])))
+    assert e.value.field == "scored[0].ref_logprobs"
+
+    w = scored().to_wire()
+    w["rollout"]["behav_logprobs"] = b"\x00" * 7  # not a whole number of float32
+    with pytest.raises(ProtocolError) as e:
+        decode_item(msgpack.packb(w, use_bin_type=True), "scored", "item")
+    assert e.value.field == "item.rollout.behav_logprobs"
+
+
+def test_non_finite_reward_is_refused_unless_the_sample_failed():
+    s = scored()
+    s.reward = float("nan")
+    with pytest.raises(ProtocolError) as e:
+        decode(encode(ScoredMsg([s])))
+    assert e.value.field == "scored[0].reward"
+    s.failed, s.error = True, "reward model timed out"
+    back = decode(encode(ScoredMsg([s]))).scored[0]
+    assert back.failed and np.isnan(back.reward)
+
+
+def test_decode_envelope_leaves_items_undecoded():
+    frames = encode(ScoredMsg([scored(), scored()]))
+    frames[2] = b"not msgpack at all \xc1"
+    kind, e = decode_envelope(frames)  # the buffer checks the envelope of relayed messages only
+    assert kind == "scored" and e["n"] == 2
+    with pytest.raises(ProtocolError) as err:
+        decode(frames)
+    assert err.value.field == "scored[1]"
