@@ -105,6 +105,12 @@ def _initialize(model: nn.Module, cfg: LearnerConfig, lr: float):
     return engine
 
 
+def build_engine(model: nn.Module, cfg: LearnerConfig, lr: float | None = None):
+    """Any model wrapped in a DeepSpeed engine with AdamW and cfg's LR schedule (the offline trainers'
+    policy or reward model); total updates = cfg.total_steps * cfg.updates_per_step."""
+    return _initialize(model, cfg, cfg.lr if lr is None else lr)
+
+
 def build_policy_engine(cfg: LearnerConfig):
     """The policy (any AutoModelForCausalLM folder) wrapped in a DeepSpeed engine with AdamW."""
     from transformers import AutoModelForCausalLM
