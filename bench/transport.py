@@ -42,7 +42,6 @@ import json
 import multiprocessing as mp
 import os
 import queue
-import socket
 import subprocess
 import sys
 import tempfile
@@ -52,32 +51,11 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from launch.ports import free_port_block as free_base_port  # noqa: E402 (after the path is set)
+
 
 def say(*args) -> None:
     print("[bench]", *args, file=sys.stderr, flush=True)
-
-
-def free_base_port(n: int = 4) -> int:
-    """A port p with p .. p+n-1 all free on 127.0.0.1 right now."""
-    for _ in range(200):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            base = s.getsockname()[1]
-        if base + n >= 65536:
-            continue
-        socks = []
-        try:
-            for p in range(base, base + n):
-                s = socket.socket()
-                socks.append(s)
-                s.bind(("127.0.0.1", p))
-            return base
-        except OSError:
-            continue
-        finally:
-            for s in socks:
-                s.close()
-    raise RuntimeError("no 4 consecutive free ports")
 
 
 class Fabricator:
@@ -270,7 +248,7 @@ def run_buffer(args, ctx) -> tuple[float, int, dict]:
     groups = -(-(args.n + args.warmup) // args.group)
     groups = -(-groups // args.per_step) * args.per_step  # whole steps
     total = groups * args.group
-    port = free_base_port()
+    port = free_base_port(4)
     with tempfile.TemporaryDirectory() as tmp:
         prompts = Path(tmp) / "prompts.jsonl"
         prompts.write_text("".join(json.dumps({"prompt": f"{k // 10} + {k % 10}", "label": str(k)}) + "\n"

@@ -114,6 +114,7 @@ def read_metrics(path: Path) -> list[dict]:
 
 def run_local(run, quiet: bool = False) -> int:
     """Start every role, wait for the learner to finish, stop everything; returns the exit code."""
+    from launch.ports import free_port_block
     from launch.run_config import assign_ports, write_resolved
     from launch.supervisor import RoleFailed, Supervisor
 
@@ -172,30 +173,6 @@ def run_local(run, quiet: bool = False) -> int:
             status.close()
     (run_dir / "exit.json").write_text(json.dumps({"code": code, "wall_s": time.monotonic() - started}) + "\n")
     return code
-
-
-def free_port_block(n: int) -> int:
-    import socket
-
-    for _ in range(200):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            base = s.getsockname()[1]
-        if base + n >= 65000:
-            continue
-        try:
-            socks = []
-            for p in range(base, base + n):
-                s = socket.socket()
-                socks.append(s)
-                s.bind(("127.0.0.1", p))
-            return base
-        except OSError:
-            continue
-        finally:
-            for s in socks:
-                s.close()
-    raise RuntimeError(f"no {n} consecutive free ports")
 
 
 def main(argv: list[str] | None = None) -> None:

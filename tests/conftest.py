@@ -7,7 +7,6 @@ time budget on a 2-core machine.
 from __future__ import annotations
 
 import os
-import socket
 import sys
 from pathlib import Path
 
@@ -17,29 +16,10 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from launch.ports import free_port_block  # noqa: E402,F401 (re-exported for the tests)
+
 # vLLM on CPU: the KV cache is host memory; 1 GiB is plenty for the tiny model.
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-
-
-def free_port_block(n: int = 1) -> int:
-    """A base port such that base .. base+n-1 were all free a moment ago."""
-    for _ in range(200):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            base = s.getsockname()[1]
-        if base + n >= 65535:
-            continue
-        ok = True
-        for p in range(base + 1, base + n):
-            with socket.socket() as s:
-                try:
-                    s.bind(("127.0.0.1", p))
-                except OSError:
-                    ok = False
-                    break
-        if ok:
-            return base
-    raise RuntimeError(f"no block of {n} free ports found")
 
 
 @pytest.fixture(scope="session")

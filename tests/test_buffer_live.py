@@ -9,7 +9,6 @@ import json
 import os
 import select
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -31,34 +30,12 @@ from buffer.protocol import (
     decode,
     encode,
 )
+from launch.ports import free_port_block as free_base_port
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
 # ---- helpers ----------------------------------------------------------------------------------
-
-
-def free_base_port(n: int = 4) -> int:
-    """A port p such that p .. p+n-1 are all free on 127.0.0.1 now."""
-    for _ in range(200):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            base = s.getsockname()[1]
-        if base + n >= 65536:
-            continue
-        socks = []
-        try:
-            for p in range(base, base + n):
-                sk = socket.socket()
-                socks.append(sk)
-                sk.bind(("127.0.0.1", p))
-            return base
-        except OSError:
-            continue
-        finally:
-            for sk in socks:
-                sk.close()
-    raise RuntimeError("no 4 consecutive free ports")
 
 
 class BufferProc:
@@ -92,7 +69,7 @@ def start_buffer(tmp_path: Path, n_prompts: int = 64, extra: tuple = (), **cfg) 
         write_prompts(prompts, n_prompts)
     cfg = {"prompts": str(prompts), "shuffle_seed": "none", "log_level": "debug", **cfg}
     for attempt in range(3):  # another process may take the ports between the check and the bind
-        port = free_base_port()
+        port = free_base_port(4)
         log = tmp_path / f"buffer-{port}.log"
         args = [a for k, v in cfg.items() for a in (f"--buffer.{k}", str(v))]
         proc = subprocess.Popen([sys.executable, "-m", "launch.buffer", "--buffer.port", str(port), *args, *extra],
@@ -377,7 +354,7 @@ def test_sigterm_writes_state_and_a_restart_resumes(tmp_path):
         answer(c, g2, [2])  # group 3 stays leased when the buffer stops
         kept = c.metrics()
     other = run_launcher("-m", "launch.buffer", "--buffer.prompts", str(tmp_path / "prompts.jsonl"),
-                         "--buffer.port", str(free_base_port()), "--buffer.state_dir", str(state))
+                         "--buffer.port", str(free_base_port(4)), "--buffer.state_dir", str(state))
     assert other.returncode == 2 and "in use by another buffer" in other.stderr
     assert b.stop() == 0  # SIGTERM: state written, exit 0
     assert (state / "buffer.log").stat().st_size > 0
@@ -426,7 +403,7 @@ def test_config_and_prompt_errors_exit_2_with_a_clear_message(tmp_path):
     assert r.returncode == 2 and "did you mean 'max_staleness'" in r.stderr
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"prompt": "ok"}\n{"prompt": "ok"}\n{"label": "no prompt"}\n')
-    r = run_launcher("-m", "launch.buffer", "--buffer.prompts", str(bad), "--buffer.port", str(free_base_port()))
+    r = run_launcher("-m", "launch.buffer", "--buffer.prompts", str(bad), "--buffer.port", str(free_base_port(4)))
     assert r.returncode == 2 and f"{bad}:3" in r.stderr and "prompt" in r.stderr
     r = run_launcher("-m", "launch.buffer", "--buffer.prompts", str(write_prompts(tmp_path / "p.jsonl", 2)),
                      "--buffer.state_dir", str(tmp_path / "nothing-here"), "--resume")
