@@ -39,6 +39,12 @@ class GeneratorConfig:
     worker_extension: str = "actors.vllm_worker.WorkerExtension"
     """vLLM: dotted path of the worker extension class that receives weights (`receive_weights`).
     Skipped, with a warning, when its module cannot be found."""
+    async_engine: bool = False
+    """vLLM: drive vLLM's `AsyncLLM` from a background thread instead of the offline `LLM`. Needed
+    for `weight_sync.mode: interrupt`: the generator keeps polling the weight-sync service while a
+    batch generates, and a new version is loaded into the running batch (pause, load, resume; each
+    token records the version that sampled it). With the offline engine a generator loads weights
+    between batches whatever the mode (it logs a warning in `interrupt` mode)."""
 
     temperature: float = 1.0
     """Sampling temperature; 0 = greedy."""
@@ -88,6 +94,9 @@ class GeneratorConfig:
     """Its port; 0 = no weight sync (the generator keeps its initial weights, version 0)."""
     weight_sync_timeout_s: float = 60.0
     """Before the first lease, wait this long for the current weights (when any were published)."""
+    weight_sync_poll_s: float = 0.2
+    """`interrupt` mode (with async_engine): ask the service for a round this often while a batch
+    generates. Well below `weight_sync.join_timeout_s`, or the learner's broadcasts go on without us."""
 
     def validate(self) -> None:
         errs = []
@@ -131,6 +140,10 @@ class GeneratorConfig:
             errs.append(f"generator.max_batches={self.max_batches} must be >= 0")
         if not 0 <= self.weight_sync_port < 65536:
             errs.append(f"generator.weight_sync_port={self.weight_sync_port} must be 0 (off) or a port")
+        if self.weight_sync_poll_s <= 0:
+            errs.append(f"generator.weight_sync_poll_s={self.weight_sync_poll_s} must be > 0")
+        if self.async_engine and self.engine != "vllm":
+            errs.append(f"generator.async_engine=true needs generator.engine='vllm' (got {self.engine!r})")
         if errs:
             raise ValueError("; ".join(errs))
 

@@ -3,12 +3,18 @@
 One iteration:
 
 1. take new weights if the weight-sync service has a round for us (between batches, so every
-   token of a batch carries the same policy version);
+   token of a batch carries the same policy version; but see `interrupt` mode below);
 2. lease up to `groups_per_lease` prompt groups from the buffer, reporting our weights version
    (the buffer's admission control may answer `Wait`);
 3. tokenize the prompts (chat template when there is one), truncate or refuse long ones;
 4. sample `n_samples` completions of each in one engine call, while a thread renews the lease;
 5. push one `Rollout` per completion to the scorers, through the buffer's relay.
+
+Weight-sync mode `interrupt` (the service's `weight_sync.mode`, with `generator.async_engine`):
+step 4 runs on the engine's own thread while this one keeps polling the weight-sync service; a
+round that arrives then is loaded into the running batch (vLLM pauses it, keeping its KV cache,
+loads, resumes), and each rollout's per-token `versions` say which weights sampled each token,
+e.g. [3, 3, 3, 4, 4]. The service's client is only ever used from this thread.
 
 The buffer answers `Wait(done=True)` when the dataset is exhausted: the loop exits with 0. A first
 SIGTERM/SIGINT lets the batch in flight finish and be pushed; a second one interrupts it.
@@ -22,12 +28,13 @@ import signal
 import socket
 import threading
 import time
+from concurrent.futures import wait
 from dataclasses import dataclass
 
 import numpy as np
 
 from actors.config import GeneratorConfig
-from actors.engines import Engine, Sampling, build_engine
+from actors.engines import Completion, Engine, Sampling, build_engine
 from buffer.client import BufferClient, BufferError
 from buffer.protocol import ID_DTYPE, LOGPROB_DTYPE, LeaseGrant, Rollout, Wait
 
@@ -137,17 +144,26 @@ class LeaseKeeper:
 
 
 class WeightSyncHook:
-    """Registers with the weight-sync service and loads each new round into the engine."""
+    """Registers with the weight-sync service and loads each new round into the engine.
 
-    def __init__(self, cfg: GeneratorConfig, worker_id: str):
+    `poll` runs between batches. In `interrupt` mode, with an engine that can load mid-batch,
+    `generate_batch` also calls `poll_mid_batch` while a batch runs. Both on the loop's thread:
+    the client's ZeroMQ socket is not thread-safe.
+    """
+
+    def __init__(self, cfg: GeneratorConfig, worker_id: str, engine: Engine):
         from weight_sync.client import GeneratorSyncClient
 
         self.ws = GeneratorSyncClient(cfg.weight_sync_host, cfg.weight_sync_port, worker_id)
         # world_size: the engine's workers that join a broadcast (vLLM's tensor-parallel ranks)
         reply = self.ws.register(cfg.engine, world_size=cfg.tensor_parallel_size if cfg.engine == "vllm" else 1)
-        if reply.get("mode", "finish") != "finish":
-            log.warning("weight-sync mode %r: this generator only loads weights between batches", reply["mode"])
+        self.mode = reply.get("mode", "finish")  # the service's, as last heard (every round repeats it)
+        if self.mode == "interrupt" and not engine.loads_mid_batch:
+            log.warning("weight-sync mode 'interrupt' needs generator.engine=vllm and generator.async_engine=true; "
+                        "this %s engine loads weights between batches", type(engine).__name__)
         self.timeout_s = cfg.weight_sync_timeout_s
+        self.poll_s = cfg.weight_sync_poll_s
+        self.deferred: dict | None = None  # a `finish` round that came mid-batch: loaded after it
 
     def initial(self, engine: Engine) -> None:
         """The current weights before the first lease (None: the learner has published nothing yet)."""
@@ -156,15 +172,28 @@ class WeightSyncHook:
             self.apply(engine, round_info)
 
     def poll(self, engine: Engine) -> None:
-        round_info = self.ws.poll()
+        round_info, self.deferred = self.deferred, None
+        round_info = round_info or self.ws.poll()
         if round_info is not None:
             self.apply(engine, round_info)
 
-    def apply(self, engine: Engine, round_info: dict) -> None:
+    def poll_mid_batch(self, engine: Engine) -> None:
+        if self.deferred is not None:
+            return
+        round_info = self.ws.poll()
+        if round_info is None:
+            return
+        if round_info["mode"] == "interrupt":
+            self.apply(engine, round_info, mid_batch=True)
+        else:  # the service now says `finish`: the batch ends on the weights it started with
+            self.deferred = round_info
+
+    def apply(self, engine: Engine, round_info: dict, mid_batch: bool = False) -> None:
         version = int(round_info["version"])
+        self.mode = round_info.get("mode", self.mode)
         t0 = time.monotonic()
         try:
-            engine.receive_weights(round_info)
+            engine.receive_weights(round_info)  # in `interrupt` mode: pause, load, resume
         except Exception as e:
             # Keep generating with the weights we have: their version is still stamped truthfully.
             log.error("weights v%d not loaded: %s: %s", version, type(e).__name__, e)
@@ -173,12 +202,25 @@ class WeightSyncHook:
         load_s = time.monotonic() - t0
         engine.version = version
         self.ws.done(version, ok=True, load_s=load_s)
-        log.info("weights v%d loaded (time/weight_sync %.2fs)", version, load_s)
+        log.info("weights v%d loaded%s (time/weight_sync %.2fs)", version,
+                 " into the running batch" if mid_batch else "", load_s)
 
     def close(self) -> None:
         close = getattr(self.ws, "close", None)
         if close is not None:
             close()
+
+
+def generate_batch(engine: Engine, prompt_ids: list[list[int]], n: int, sampling: Sampling,
+                   sync: WeightSyncHook | None) -> list[list[Completion]]:
+    """`engine.generate`, or in `interrupt` mode the same batch with new weights loaded into it as
+    they come: the batch runs on the engine's thread while this one polls the service."""
+    if sync is None or sync.mode != "interrupt" or not engine.loads_mid_batch:
+        return engine.generate(prompt_ids, n, sampling)
+    batch = engine.submit(prompt_ids, n, sampling)
+    while wait([batch], timeout=sync.poll_s).not_done:
+        sync.poll_mid_batch(engine)
+    return batch.result()
 
 
 # --------------------------------------------------------------------------------------------
@@ -210,7 +252,8 @@ def install_signal_handlers(stop: threading.Event) -> None:
 
 
 def make_rollouts(grant: LeaseGrant, cfg: GeneratorConfig, engine: Engine, sampling: Sampling,
-                  client: BufferClient, worker_id: str, counts: Counters) -> list[Rollout]:
+                  client: BufferClient, worker_id: str, counts: Counters,
+                  sync: WeightSyncHook | None = None) -> list[Rollout]:
     """Steps 3-4 for one lease: the rollouts of its groups (refused groups are reported, not sampled)."""
     groups, prompt_ids = [], []
     for g in grant.groups:
@@ -226,10 +269,11 @@ def make_rollouts(grant: LeaseGrant, cfg: GeneratorConfig, engine: Engine, sampl
         prompt_ids.append(fitted)
     if not groups:
         return []
-    version = engine.version  # weights only change between batches, so one version for all tokens
+    # The version of every token, unless the weights change mid-batch (then the engine says per token).
+    version = engine.version
     t0 = time.monotonic()
     try:
-        completions = engine.generate(prompt_ids, grant.n_samples, sampling)
+        completions = generate_batch(engine, prompt_ids, grant.n_samples, sampling, sync)
     except ValueError as e:
         # The engine refused the inputs (e.g. a prompt past vLLM's max_model_len): retrying will not
         # help, so the groups are reported failed instead of expiring and coming back forever.
@@ -248,7 +292,8 @@ def make_rollouts(grant: LeaseGrant, cfg: GeneratorConfig, engine: Engine, sampl
                 prompt_ids=np.asarray(ids, dtype=ID_DTYPE),  # (P,)
                 completion_ids=np.asarray(c.token_ids, dtype=ID_DTYPE),  # (T,)
                 behav_logprobs=np.asarray(c.logprobs, dtype=LOGPROB_DTYPE),  # (T,)
-                versions=np.full(t, version, dtype=ID_DTYPE),  # (T,)
+                versions=(np.full(t, version, dtype=ID_DTYPE) if c.versions is None
+                          else np.asarray(c.versions, dtype=ID_DTYPE)),  # (T,) non-decreasing
                 prompt=g.prompt, completion=c.text, label=g.label,
                 finish_reason=c.finish_reason, worker_id=worker_id,
             ))
@@ -303,7 +348,7 @@ def run_generator(cfg: GeneratorConfig, stop: threading.Event | None = None) -> 
     code = 0
     try:
         if cfg.weight_sync_port:
-            sync = WeightSyncHook(cfg, worker_id)
+            sync = WeightSyncHook(cfg, worker_id, engine)
             sync.initial(engine)
         while not stop.is_set():
             if sync is not None:
@@ -321,7 +366,7 @@ def run_generator(cfg: GeneratorConfig, stop: threading.Event | None = None) -> 
             log.info("lease %d: %d groups x %d samples (v%d)", reply.lease_id, len(reply.groups),
                      reply.n_samples, engine.version)
             keeper.hold(reply)
-            rollouts = make_rollouts(reply, cfg, engine, sampling, client, worker_id, counts)
+            rollouts = make_rollouts(reply, cfg, engine, sampling, client, worker_id, counts, sync)
             if rollouts:
                 client.push_rollouts(rollouts)
             keeper.pushed(reply.lease_id)
