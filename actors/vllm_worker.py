@@ -20,7 +20,8 @@ Modes (round_info["mode"], chosen in the service's config):
   `pause_generation(mode="keep", clear_cache=False)` (running requests are frozen, their KV cache
   kept), loads through `collective_rpc`, then `resume_generation()`. The frozen requests finish on
   the new weights: their tokens before the pause came from the old version, the rest from the new
-  one, and the generator's per-token versions must say so (record the version at the pause).
+  one, and the generator's per-token versions say so: actors.engines.AsyncVLLMEngine sets vLLM's
+  weight-version label while the engine is paused, and vLLM reports it per generated span.
 """
 
 from __future__ import annotations

@@ -205,6 +205,8 @@ def finish(run: Run, explicit: dict | None = None) -> None:
             if l.gradient_accumulation_steps < 1:
                 raise ConfigError(f"--micro_train_batch_size={micro} x learner.num_mini_batches="
                                   f"{l.num_mini_batches} exceeds the {per_rank} samples per rank")
+    if w.mode == "interrupt" and g.engine == "vllm":
+        g.async_engine = True  # loading into a running batch needs vLLM's AsyncLLM
     if r.mode == "sync":
         b.max_staleness = 0
         l.sync_every = 1
