@@ -1,0 +1,368 @@
+"""Datasets of the offline trainers: rows from files, tokenized into sequences with a response mask.
+
+Formats: JSONL (one object per line), Parquet (if pyarrow is importable) and folders written by
+`datasets.save_to_disk` (if the `datasets` package is importable). A row is either
+
+  prompt/response   {"prompt": "...", "response": "..."}            (SFT)
+  messages          {"messages": [{"role": "user", "content": ...}, {"role": "assistant", ...}]}
+  pair              {"prompt": ..., "chosen": ..., "rejected": ..., "margin"?: float}  (DPO, RM)
+
+with the column names taken from the config. A prompt may itself be a list of chat messages, and
+a chosen/rejected response may be a whole conversation (its last assistant message is the
+response). With a chat template, the template renders the conversation; without one, the texts
+are concatenated (the prompt encoded as the tokenizer encodes a whole text, with its bos).
+
+Every sequence carries `target`: 1 on the tokens trained on (the response), 0 elsewhere. A bad
+row raises `DatasetError` naming its file and line, or is skipped and counted (`on_bad_row`).
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterator
+
+
+class DatasetError(ValueError):
+    """A data file that cannot be used; the message names the file (and line) and why."""
+
+
+class BadRow(ValueError):
+    """One row that cannot be used (raised inside this module, turned into a DatasetError or a skip)."""
+
+
+@dataclass
+class Encoded:
+    """One tokenized sequence; target[t] = 1 when token t is a response token (loss is taken on it)."""
+
+    ids: list[int]
+    target: list[int]
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    @property
+    def num_targets(self) -> int:
+        return sum(self.target)
+
+
+@dataclass
+class Pair:
+    """A preference pair sharing one prompt; `margin` is the optional Bradley-Terry margin."""
+
+    chosen: Encoded
+    rejected: Encoded
+    margin: float = 0.0
+
+
+@dataclass
+class DataStats:
+    """What loading one file did: rows read, used, skipped as bad, truncated, dropped as too long."""
+
+    path: str = ""
+    rows: int = 0
+    used: int = 0
+    bad: int = 0
+    truncated: int = 0
+    too_long: int = 0
+    bad_examples: list[str] = field(default_factory=list)
+
+    def as_metrics(self, prefix: str) -> dict[str, float]:
+        return {f"{prefix}/rows": self.rows, f"{prefix}/used": self.used, f"{prefix}/bad_rows": self.bad,
+                f"{prefix}/truncated": self.truncated, f"{prefix}/dropped_too_long": self.too_long}
+
+    def summary(self) -> str:
+        return (f"{self.path}: {self.rows} rows, {self.used} used, {self.bad} bad (skipped), "
+                f"{self.truncated} truncated to max_len, {self.too_long} dropped (no response token within max_len)")
+
+
+# ------------------------------------------------------------------------------------------------
+# reading rows
+
+
+def iter_rows(path: str | Path, split: str = "train") -> Iterator[tuple[str, Any]]:
+    """(where, row) for every row of a JSONL / Parquet file or a save_to_disk folder.
+
+    `where` is "file:line" (JSONL) or "file: row N"; a row is whatever the file holds there (a line
+    that is not JSON comes back as a BadRow, so the caller decides whether it is fatal).
+    """
+    p = Path(path)
+    if p.is_dir():
+        yield from _iter_saved_dataset(p, split)
+    elif not p.is_file():
+        raise DatasetError(f"{path}: no such file or folder")
+    elif p.suffix == ".parquet":
+        yield from _iter_parquet(p)
+    elif p.suffix in (".jsonl", ".json", ".ndjson"):
+        with p.open(encoding="utf-8") as f:
+            for n, line in enumerate(f, 1):
+                if not line.strip():
+                    continue  # blank lines (a trailing newline, a separator) are no rows
+                try:
+                    yield f"{p}:{n}", json.loads(line)
+                except json.JSONDecodeError as e:
+                    yield f"{p}:{n}", BadRow(f"not valid JSON ({e.msg} at column {e.colno})")
+    else:
+        raise DatasetError(f"{path}: unknown format {p.suffix!r}; use .jsonl, .parquet or a datasets.save_to_disk folder")
+
+
+def _iter_parquet(p: Path) -> Iterator[tuple[str, Any]]:
+    try:
+        import pyarrow.parquet as pq
+    except ImportError:
+        raise DatasetError(f"{p}: reading Parquet needs pyarrow (pip install pyarrow)") from None
+    n = 0
+    for batch in pq.ParquetFile(str(p)).iter_batches(batch_size=1024):
+        for row in batch.to_pylist():
+            yield f"{p}: row {n}", row
+            n += 1
+
+
+def _iter_saved_dataset(p: Path, split: str) -> Iterator[tuple[str, Any]]:
+    try:
+        import datasets
+    except ImportError:
+        raise DatasetError(f"{p}: reading a datasets.save_to_disk folder needs the `datasets` package "
+                           f"(pip install datasets)") from None
+    ds = datasets.load_from_disk(str(p))
+    if isinstance(ds, datasets.DatasetDict):
+        if split not in ds:
+            raise DatasetError(f"{p}: no split {split!r} (it has {sorted(ds)}); set dataset_split")
+        ds = ds[split]
+    for n, row in enumerate(ds):
+        yield f"{p}: row {n}", row
+
+
+# ------------------------------------------------------------------------------------------------
+# rows -> chat messages
+
+
+def _messages(value: Any, key: str) -> list[dict]:
+    """A column as a list of {role, content} messages (a string is one user message)."""
+    if isinstance(value, str):
+        return [{"role": "user", "content": value}]
+    if not isinstance(value, list) or not value:
+        raise BadRow(f"{key!r} must be a string or a non-empty list of messages, got {_show(value)}")
+    out = []
+    for i, m in enumerate(value):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
+            raise BadRow(f"{key!r}[{i}] must be {{'role': str, 'content': str}}, got {_show(m)}")
+        out.append({"role": m["role"], "content": m["content"]})
+    return out
+
+
+def _show(value: Any, n: int = 60) -> str:
+    s = repr(value)
+    return s if len(s) <= n else s[: n - 3] + "..."
+
+
+def _need(row: Any, key: str) -> Any:
+    if not isinstance(row, dict):
+        raise BadRow(f"a row must be a JSON object, got {_show(row)}")
+    if key not in row or row[key] is None:
+        raise BadRow(f"missing key {key!r} (keys: {sorted(row)})")
+    return row[key]
+
+
+def sft_conversation(row: Any, cfg) -> tuple[list[dict], bool]:
+    """(messages, all_turns) of an SFT row: every assistant message is trained on."""
+    if isinstance(row, dict) and row.get(cfg.messages_key) is not None:
+        msgs = _messages(row[cfg.messages_key], cfg.messages_key)
+        if not any(m["role"] == "assistant" for m in msgs):
+            raise BadRow(f"{cfg.messages_key!r} has no assistant message to train on")
+        return msgs, True
+    if not isinstance(row, dict) or cfg.prompt_key not in row and cfg.response_key not in row:
+        keys = sorted(row) if isinstance(row, dict) else _show(row)
+        raise BadRow(f"has neither {cfg.prompt_key!r}/{cfg.response_key!r} nor {cfg.messages_key!r} (keys: {keys})")
+    prompt = _need(row, cfg.prompt_key)
+    response = _need(row, cfg.response_key)
+    if not isinstance(response, str) or not response:
+        raise BadRow(f"{cfg.response_key!r} must be a non-empty string, got {_show(response)}")
+    msgs = _messages(prompt, cfg.prompt_key) if prompt != "" else []
+    return msgs + [{"role": "assistant", "content": response}], False
+
+
+def pair_conversations(row: Any, cfg) -> tuple[list[dict], list[dict], float]:
+    """(chosen messages, rejected messages, margin) of a preference row; the last message of each is the response."""
+    chosen, rejected = _need(row, cfg.chosen_key), _need(row, cfg.rejected_key)
+    prompt = row.get(cfg.prompt_key, "")
+    base = _messages(prompt, cfg.prompt_key) if prompt not in ("", None) else []
+    out = []
+    for key, value in ((cfg.chosen_key, chosen), (cfg.rejected_key, rejected)):
+        if isinstance(value, str):
+            if not value:
+                raise BadRow(f"{key!r} is an empty string")
+            out.append(base + [{"role": "assistant", "content": value}])
+        else:
+            msgs = _messages(value, key)
+            if msgs[-1]["role"] != "assistant":
+                raise BadRow(f"{key!r} must end with an assistant message, ends with role {msgs[-1]['role']!r}")
+            out.append(base + msgs)
+    margin = 0.0
+    key = getattr(cfg, "margin_key", "")
+    if key and row.get(key) is not None:
+        m = row[key]
+        if isinstance(m, bool) or not isinstance(m, (int, float)):
+            raise BadRow(f"{key!r} must be a number, got {_show(m)}")
+        margin = float(m)
+    return out[0], out[1], margin
+
+
+# ------------------------------------------------------------------------------------------------
+# messages -> tokens
+
+
+def encode_messages(tokenizer, messages: list[dict], train_on: str, use_chat_template: bool,
+                    add_eos: bool) -> Encoded:
+    """Token ids of a conversation and its target mask.
+
+    train_on: "all" (every assistant message) or "last" (the last message only, for pairs).
+    The conversation is encoded piece by piece (each piece the text one more message adds), so every
+    token belongs to exactly one message and the mask cannot drift off by a token at a boundary.
+    """
+    template = use_chat_template and getattr(tokenizer, "chat_template", None)
+    ids: list[int] = []
+    target: list[int] = []
+    rendered = ""
+    for i, msg in enumerate(messages):
+        trained = msg["role"] == "assistant" and (train_on == "all" or i == len(messages) - 1)
+        if template:
+            # the prompt part ends with the generation prompt, as the generator renders it
+            if msg["role"] == "assistant":
+                head = tokenizer.apply_chat_template(messages[:i], tokenize=False, add_generation_prompt=True) if i else ""
+                if not head.startswith(rendered):
+                    raise BadRow("the chat template renders an earlier turn differently once later ones follow")
+                _extend(tokenizer, head[len(rendered):], 0, ids, target, first=not ids)
+                rendered = head
+            full = tokenizer.apply_chat_template(messages[: i + 1], tokenize=False)
+            if not full.startswith(rendered):
+                raise BadRow("the chat template renders an earlier turn differently once later ones follow")
+            _extend(tokenizer, full[len(rendered):], int(trained), ids, target, first=not ids)
+            rendered = full
+        else:
+            _extend(tokenizer, msg["content"], int(trained), ids, target, first=not ids, plain=True)
+            if trained and add_eos and tokenizer.eos_token_id is not None:
+                ids.append(tokenizer.eos_token_id)
+                target.append(1)
+    if not any(target):
+        raise BadRow("no response tokens (the response encodes to nothing)")
+    return Encoded(ids, target)
+
+
+def _extend(tokenizer, text: str, flag: int, ids: list[int], target: list[int], first: bool,
+            plain: bool = False) -> None:
+    if not text and not (plain and first):
+        return
+    # plain text: the first piece is encoded as a whole text is (with bos); a rendered template
+    # writes its own special tokens
+    new = tokenizer(text, add_special_tokens=plain and first)["input_ids"]
+    ids.extend(new)
+    if plain and first and flag:
+        # a response with no prompt before it: the specials the tokenizer added (bos) are not trained on
+        n_text = len(tokenizer(text, add_special_tokens=False)["input_ids"])
+        target.extend([0] * (len(new) - n_text) + [flag] * n_text)
+    else:
+        target.extend([flag] * len(new))
+
+
+def truncate(enc: Encoded, max_len: int, keep: str = "head") -> tuple[Encoded, bool]:
+    """(the sequence cut to max_len, whether it was cut); keep="tail" keeps the last tokens."""
+    if len(enc) <= max_len:
+        return enc, False
+    if keep == "tail":
+        return Encoded(enc.ids[-max_len:], enc.target[-max_len:]), True
+    return Encoded(enc.ids[:max_len], enc.target[:max_len]), True
+
+
+# ------------------------------------------------------------------------------------------------
+# whole files
+
+
+def _handle_bad(stats: DataStats, where: str, why: str, on_bad_row: str) -> None:
+    if on_bad_row == "error":
+        raise DatasetError(f"{where}: {why} (set on_bad_row: skip to leave such rows out)")
+    stats.bad += 1
+    if len(stats.bad_examples) < 5:
+        stats.bad_examples.append(f"{where}: {why}")
+
+
+def load_examples(path: str | Path, tokenizer, cfg, kind: str, keep: str = "head",
+                  limit: int = 0) -> tuple[list, DataStats]:
+    """Read and tokenize a whole file. kind="sft" -> [Encoded]; kind="pairs" -> [Pair].
+
+    `keep` says which end of a sequence longer than cfg.max_len survives; `limit` stops after that
+    many rows (0: all).
+    """
+    stats = DataStats(path=str(path))
+    out: list = []
+    for where, row in iter_rows(path, getattr(cfg, "dataset_split", "train")):
+        if limit and stats.rows >= limit:
+            break
+        stats.rows += 1
+        try:
+            if isinstance(row, BadRow):
+                raise row
+            if kind == "sft":
+                msgs, all_turns = sft_conversation(row, cfg)
+                enc = encode_messages(tokenizer, msgs, "all" if all_turns else "last", cfg.use_chat_template, cfg.add_eos)
+                enc, cut = truncate(enc, cfg.max_len, keep)
+                stats.truncated += cut
+                if not enc.num_targets:
+                    stats.too_long += 1
+                    continue
+                out.append(enc)
+            else:
+                chosen_msgs, rejected_msgs, margin = pair_conversations(row, cfg)
+                pair_cut, ok = False, True
+                encs = []
+                for msgs in (chosen_msgs, rejected_msgs):
+                    enc = encode_messages(tokenizer, msgs, "last", cfg.use_chat_template, cfg.add_eos)
+                    enc, cut = truncate(enc, cfg.max_len, keep)
+                    pair_cut |= cut
+                    ok &= enc.num_targets > 0
+                    encs.append(enc)
+                stats.truncated += pair_cut
+                if not ok:
+                    stats.too_long += 1
+                    continue
+                out.append(Pair(encs[0], encs[1], margin))
+        except BadRow as e:
+            _handle_bad(stats, where, str(e), cfg.on_bad_row)
+            continue
+        stats.used += 1
+    if not out:
+        raise DatasetError(f"{path}: no usable rows ({stats.summary()})"
+                           + (f"; first bad: {stats.bad_examples[0]}" if stats.bad_examples else ""))
+    return out, stats
+
+
+def load_splits(tokenizer, cfg, kind: str, keep: str = "head") -> tuple[list, list, list[DataStats]]:
+    """(train, eval, stats): eval from cfg.eval_dataset, or cfg.eval_fraction of cfg.dataset held out
+    (a seeded shuffle, so every rank and every resumed run holds out the same examples)."""
+    train, stats = load_examples(cfg.dataset, tokenizer, cfg, kind, keep, cfg.max_samples)
+    all_stats = [stats]
+    held: list = []
+    if cfg.eval_dataset:
+        held, eval_stats = load_examples(cfg.eval_dataset, tokenizer, cfg, kind, keep)
+        all_stats.append(eval_stats)
+    elif cfg.eval_fraction > 0:
+        order = list(range(len(train)))
+        random.Random(cfg.seed).shuffle(order)
+        n_eval = max(1, int(round(cfg.eval_fraction * len(train))))
+        if n_eval >= len(train):
+            raise DatasetError(f"{cfg.dataset}: eval_fraction={cfg.eval_fraction} of {len(train)} examples leaves none to train on")
+        held_idx = set(order[:n_eval])
+        held = [x for i, x in enumerate(train) if i in held_idx]
+        train = [x for i, x in enumerate(train) if i not in held_idx]
+    return train, held, all_stats
+
+
+def report(all_stats: list[DataStats], file=sys.stderr) -> None:
+    """One line per file, and the first bad rows of each (rank 0 calls this)."""
+    for s in all_stats:
+        print(f"data: {s.summary()}", file=file, flush=True)
+        for line in s.bad_examples:
+            print(f"data:   skipped {line}", file=file, flush=True)

@@ -1,0 +1,69 @@
+"""Supervised fine-tuning: next-token NLL on the response tokens only.
+
+`python -m launch.sft CONFIG` (or `deepspeed --num_gpus N --module launch.sft CONFIG`) calls `run`.
+Micro-batches are padded to their longest sequence, or packed into one row (`packing`); the loss
+is the mean over every response token of the global batch (not a mean of per-sequence means), and
+the held-out loss is the same mean over the held-out set.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from learner.offline import (Trainer, fit, load_data, load_tokenizer, pack_batch, pad_batch, run_trainer,
+                             token_logprobs)
+from learner.offline_config import SFTConfig
+
+
+def sft_loss(logprobs: torch.Tensor, target: torch.Tensor, denom: float | torch.Tensor) -> torch.Tensor:
+    """Sum of -log p over the target tokens / denom. logprobs, target: (B, T)."""
+    return -(logprobs * target.to(logprobs.dtype)).sum() / denom
+
+
+def run(cfg: SFTConfig) -> dict:
+    """Train, evaluate, save to cfg.save_path; returns the summary (eval_start, eval_end, train_last, data)."""
+    return run_trainer(cfg, lambda rank, world, device: train(cfg, rank, world, device))
+
+
+def train(cfg: SFTConfig, rank: int, world: int, device: torch.device) -> dict:
+    tok = load_tokenizer(cfg.model_path)
+    train_set, held, stats = load_data(cfg, tok, "sft", rank)
+    pad_id = tok.pad_token_id
+
+    def build_model():
+        from transformers import AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_pretrained(cfg.model_path, dtype=torch.float32)
+        model.config.use_cache = False
+        if cfg.gradient_checkpointing:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        return model
+
+    def forward(engine, seqs, packed: bool):
+        if packed:
+            ids, pos, target = pack_batch(seqs, device)
+            return token_logprobs(engine, ids, position_ids=pos), target  # (1, N-1)
+        ids, attn, target = pad_batch(seqs, pad_id, device)
+        return token_logprobs(engine, ids, attention_mask=attn), target  # (B, L-1)
+
+    def loss_fn(engine, idx, denom):
+        logprobs, target = forward(engine, [train_set[i] for i in idx], cfg.packing)
+        loss = sft_loss(logprobs, target, denom)
+        return loss, {"loss/sft": loss.item()}
+
+    def weight_fn(idx):
+        # response tokens the loss is averaged over (the first token of a sequence is never predicted)
+        return float(sum(sum(train_set[i].target[1:]) for i in idx))
+
+    def eval_fn(engine, idx, weights):
+        logprobs, target = forward(engine, [held[i] for i in idx], packed=False)
+        w = torch.tensor(weights, device=logprobs.device)[:, None]  # (B, 1)
+        m = target.float() * w
+        return {"nll": float(-(logprobs * m).sum()), "tokens": float(m.sum())}
+
+    def finish_eval(sums):
+        return {"eval/loss": sums["nll"] / max(sums["tokens"], 1.0), "eval/tokens": sums["tokens"]}
+
+    trainer = Trainer(build_model=build_model, loss_fn=loss_fn, weight_fn=weight_fn, eval_fn=eval_fn,
+                      finish_eval=finish_eval)
+    return fit(cfg, trainer, len(train_set), len(held), stats, rank, world, device)
