@@ -1,0 +1,268 @@
+"""Section `ray:` of the run config: where the roles go on a Ray cluster (read by `launch.ray` only).
+
+The other sections are the same as for `launch.local`; this one adds, per role, the resources one
+process reserves, how a role's processes are spread over nodes, and how often a generator or a
+scorer is started again after it died:
+
+    ray:
+      address: ""                 # RAY_ADDRESS, `auto`, `ray://head:10001`; empty: RAY_ADDRESS or a new local cluster
+      generator: {num_cpus: 4, num_gpus: 1, strategy: SPREAD}
+      learner:   {num_cpus: 8, num_gpus: 1, strategy: PACK}
+      max_restarts: 3
+
+Also here, without Ray: `load` (the run config with `ray:` taken apart, paths made absolute),
+`tie_addresses` (the discovered buffer and weight-sync addresses into every section that dials
+them) and `check_resources` (a request no node can hold is refused at once, naming the role and the
+resource, instead of waiting forever for a placement group).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Sequence
+
+STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
+
+
+class ResourceError(RuntimeError):
+    """The cluster cannot give what the config asks for; the message names the role and the resource."""
+
+
+@dataclass
+class RoleResources:
+    """What one process of a role reserves on its node (Ray's logical resources)."""
+
+    num_cpus: float = 1.0
+    """CPUs reserved per process (a generator: per engine; a learner: per rank)."""
+    num_gpus: float = 0.0
+    """GPUs per process; a generator reserves num_gpus x generator.tensor_parallel_size, on one node."""
+    memory_gb: float = 0.0
+    """Host memory reserved per process in GiB (0: none; Ray's memory resource)."""
+    strategy: str = "PACK"
+    """How the role's placement group lays out its bundles (learner ranks; the generators started
+    with the run): PACK (as few nodes as fit), SPREAD (different nodes where possible),
+    STRICT_PACK (one node), STRICT_SPREAD (one node each)."""
+
+    def bundle(self, gpus_scale: int = 1) -> dict[str, float]:
+        b = {"CPU": float(self.num_cpus)}
+        if self.num_gpus:
+            b["GPU"] = float(self.num_gpus) * gpus_scale
+        if self.memory_gb:
+            b["memory"] = float(self.memory_gb) * (1 << 30)
+        return b
+
+
+def _small() -> RoleResources:
+    return RoleResources(num_cpus=0.5)
+
+
+@dataclass
+class RayConfig:
+    """Section `ray:` of the run config (only `launch.ray` reads it)."""
+
+    address: str = ""
+    """Cluster to join (`auto`, `HOST:6379`, `ray://HOST:10001`); empty: $RAY_ADDRESS, else a new
+    local cluster for this run (stopped with it)."""
+    local_num_cpus: int = 0
+    """CPUs of the local cluster started when there is no address (0: every core)."""
+    namespace: str = "conveyor"
+    """Ray namespace of the run's actors (the controller is found there by `launch.ray scale`)."""
+    run_name: str = ""
+    """Name of the run's controller actor (`launch.ray scale --run NAME`); empty: run.run_dir's last part."""
+    buffer: RoleResources = field(default_factory=_small)
+    """The replay buffer (one process; ZeroMQ and msgpack, no accelerator)."""
+    weight_sync: RoleResources = field(default_factory=_small)
+    """The weight-sync control service (one small process)."""
+    generator: RoleResources = field(default_factory=RoleResources)
+    """Each generator (one vLLM engine; its tensor-parallel workers share its bundle, so one node)."""
+    scorer: RoleResources = field(default_factory=RoleResources)
+    """Each scorer (a reward model or a reference model wants num_gpus: 1 on GPU clusters)."""
+    learner: RoleResources = field(default_factory=RoleResources)
+    """Each learner rank (one DeepSpeed process; num_gpus: 1 per rank on GPU clusters)."""
+    max_restarts: int = 3
+    """Times a generator or a scorer is started again after it died (each, over the run)."""
+    restart_delay_s: float = 2.0
+    """Pause before such a restart (its leases expire meanwhile and are issued again)."""
+    placement_timeout_s: float = 120.0
+    """How long placement groups may wait for resources (e.g. an autoscaler adding nodes) before
+    the run fails; a request no node of the cluster can ever hold fails at once."""
+    check_resources: bool = True
+    """Refuse at once a request that no alive node (or the cluster as a whole) can hold; off for
+    autoscaling clusters whose nodes appear on demand."""
+    poll_s: float = 1.0
+    """How often the driver checks the roles and the controller (scale requests)."""
+
+    def roles(self) -> dict[str, RoleResources]:
+        return {"buffer": self.buffer, "weight_sync": self.weight_sync, "generator": self.generator,
+                "scorer": self.scorer, "learner": self.learner}
+
+    def validate(self) -> None:
+        errs = []
+        for name, r in self.roles().items():
+            if r.num_cpus < 0 or r.num_gpus < 0 or r.memory_gb < 0:
+                errs.append(f"ray.{name}: num_cpus={r.num_cpus}, num_gpus={r.num_gpus}, memory_gb={r.memory_gb} "
+                            "must be >= 0")
+            if r.num_gpus > 1 and r.num_gpus != int(r.num_gpus):
+                errs.append(f"ray.{name}.num_gpus={r.num_gpus}: above 1 it must be a whole number")
+            if not (r.num_cpus or r.num_gpus or r.memory_gb):
+                errs.append(f"ray.{name}: reserves nothing (num_cpus, num_gpus and memory_gb all 0); "
+                            "give it at least a fraction of a CPU")
+            if r.strategy not in STRATEGIES:
+                errs.append(f"ray.{name}.strategy={r.strategy!r} must be one of {list(STRATEGIES)}")
+        if self.max_restarts < 0:
+            errs.append(f"ray.max_restarts={self.max_restarts} must be >= 0")
+        if self.placement_timeout_s <= 0:
+            errs.append(f"ray.placement_timeout_s={self.placement_timeout_s} must be > 0")
+        if self.poll_s <= 0:
+            errs.append(f"ray.poll_s={self.poll_s} must be > 0")
+        if errs:
+            raise ValueError("; ".join(errs))
+
+
+def split_ray_section(config_path: str | Path | None, argv: Sequence[str]) -> tuple[RayConfig, dict, list[str]]:
+    """(RayConfig, the YAML tree without `ray:`, the overrides that are not `--ray.*`).
+
+    `launch.run_config` does not know section `ray:`, so it is taken out here before the rest of
+    the file and the flags go to `load_run_config`.
+    """
+    from launch.config import ConfigError, build, parse_overrides, read_yaml, set_dotted
+
+    tree = read_yaml(config_path)
+    ray_tree = tree.pop("ray", None) or {}
+    if not isinstance(ray_tree, dict):
+        raise ConfigError(f"{config_path}: section 'ray' must be a mapping")
+    rest: list[str] = []
+    argv = list(argv)
+    i = 0
+    while i < len(argv):
+        a = argv[i]
+        if a.startswith("--ray."):
+            key, eq, val = a[2:].partition("=")
+            if not eq:
+                if i + 1 < len(argv) and not argv[i + 1].startswith("--"):
+                    i += 1
+                    val = argv[i]
+                else:
+                    val = "true"
+            set_dotted(ray_tree, key.split(".", 1)[1].replace("-", "_"), val)
+        else:
+            rest.append(a)
+        i += 1
+    parse_overrides(rest)  # the flags' shape is checked now; their keys by load_run_config
+    cfg: Any = build(RayConfig, ray_tree, "ray")
+    try:
+        cfg.validate()
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    return cfg, tree, rest
+
+
+# --------------------------------------------------------------------------------------------
+# the run config as launch.ray reads it: section `ray:` apart, paths absolute, addresses discovered
+
+
+def load(config_path: str | None, argv: list[str]):
+    """(RayConfig, Run) from the YAML file and the flags; `ray:` is read here, the rest as usual."""
+    import yaml
+
+    from launch.run_config import load_run_config
+
+    rcfg, tree, rest = split_ray_section(config_path, argv)
+    with tempfile.TemporaryDirectory() as tmp:
+        # the same file name, so load_run_config's messages quote the user's file
+        path = Path(tmp) / (Path(config_path).name if config_path else "config.yaml")
+        path.write_text(yaml.safe_dump(tree, sort_keys=False))
+        run = load_run_config(path, rest)
+    absolute_paths(run)
+    return rcfg, run
+
+
+def absolute_paths(run) -> None:
+    """Roles run in other processes, maybe on other nodes, from another folder: make the run's
+    folders and every path that exists from here absolute (the same path must hold on each node)."""
+    for cfg in run.sections().values():
+        for f in dataclasses.fields(cfg):
+            v = getattr(cfg, f.name)
+            if not isinstance(v, str) or not v or os.path.isabs(v) or "://" in v:
+                continue
+            if f.name.endswith("_dir") or Path(v).exists():
+                setattr(cfg, f.name, str(Path(v).resolve()))
+
+
+def tie_addresses(run) -> None:
+    """Every role that dials the buffer or the weight-sync service gets their discovered addresses
+    (what run_config.finish does for these fields, without re-deriving the others)."""
+    b, w = run.buffer, run.weight_sync
+    for sec in (run.generator, run.scorer, run.learner):
+        sec.buffer_host, sec.buffer_port = b.host, b.port
+    for sec in (run.generator, run.learner):
+        sec.weight_sync_host, sec.weight_sync_port = w.host, w.port
+
+
+def resolved_text(run, rcfg) -> str:
+    import yaml
+
+    return ("# resolved by launch.ray: every role reads its section of this file\n"
+            + yaml.safe_dump({**run.to_dict(), "ray": dataclasses.asdict(rcfg)}, sort_keys=False))
+
+
+# --------------------------------------------------------------------------------------------
+# what the run asks of the cluster, checked before anything is placed
+
+
+def fmt_res(name: str, amount: float) -> str:
+    if name == "memory":
+        return f"memory {amount / (1 << 30):.1f} GiB"
+    return f"{name} {amount:g}"
+
+
+def check_resources(demands: list[tuple[str, list[dict], str]], nodes: list[dict]) -> None:
+    """Refuse a request no alive node (or the cluster as a whole) can hold, naming role and resource.
+
+    `demands`: (role, bundles, strategy); `nodes`: the total resources of each alive node.
+    """
+    errors = []
+    cluster: dict[str, float] = {}
+    for n in nodes:
+        for k, v in n.items():
+            cluster[k] = cluster.get(k, 0.0) + v
+    have = ", ".join(fmt_res(k, cluster.get(k, 0.0)) for k in ("CPU", "GPU", "memory"))
+    for role, bundles, strategy in demands:
+        if not bundles:
+            continue
+        for res, amount in bundles[0].items():
+            best = max((n.get(res, 0.0) for n in nodes), default=0.0)
+            if amount > best + 1e-9:
+                errors.append(f"role {role!r} asks for {fmt_res(res, amount)} per process, but no node of the "
+                              f"cluster has {fmt_res(res, amount)} (largest node: {fmt_res(res, best)}; cluster: {have})")
+        if errors:
+            continue
+        if strategy == "STRICT_PACK":
+            need = {k: sum(b.get(k, 0.0) for b in bundles) for k in bundles[0]}
+            if not any(all(n.get(k, 0.0) >= v - 1e-9 for k, v in need.items()) for n in nodes):
+                errors.append(f"role {role!r}: {len(bundles)} processes with strategy STRICT_PACK need "
+                              + ", ".join(fmt_res(k, v) for k, v in need.items()) + " on one node; no node has it")
+        if strategy == "STRICT_SPREAD":
+            fit = sum(all(n.get(k, 0.0) >= v - 1e-9 for k, v in bundles[0].items()) for n in nodes)
+            if fit < len(bundles):
+                errors.append(f"role {role!r}: {len(bundles)} processes with strategy STRICT_SPREAD need as many "
+                              f"nodes, but only {fit} node(s) can hold one")
+    if not errors:
+        total: dict[str, float] = {}
+        by_role: dict[str, list[str]] = {}
+        for role, bundles, _ in demands:
+            for b in bundles:
+                for k, v in b.items():
+                    total[k] = total.get(k, 0.0) + v
+            for k in (bundles[0] if bundles else {}):
+                by_role.setdefault(k, []).append(f"{role} {len(bundles)} x {fmt_res(k, bundles[0][k])}")
+        for k, v in total.items():
+            if v > cluster.get(k, 0.0) + 1e-9:
+                errors.append(f"the run asks for {fmt_res(k, v)} in all ({'; '.join(by_role[k])}), but the "
+                              f"cluster has {fmt_res(k, cluster.get(k, 0.0))}")
+    if errors:
+        raise ResourceError("; ".join(errors))
