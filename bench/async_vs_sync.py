@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import sys
 from pathlib import Path
 
@@ -31,6 +32,7 @@ def run_mode(mode: str, out: Path, warm: Path, prompts: Path, steps: int, extra:
     from launch.run_config import load_run_config
 
     run_dir = out / mode
+    shutil.rmtree(run_dir, ignore_errors=True)  # a fresh run each time (the buffer would resume old state)
     run = load_run_config(ROOT / "examples" / "demo.yaml", [
         "--run.run_dir", str(run_dir), "--run.mode", mode, "--learner.model_path", str(warm),
         "--buffer.prompts", str(prompts), "--learner.total_steps", str(steps), "--learner.save_every", "0",

@@ -186,6 +186,8 @@ def main(argv: list[str] | None = None) -> None:
     config_path = argv.pop(0) if not argv[0].startswith("--") else None
     try:
         run = load_run_config(config_path, argv)
+        if run.stale_state():
+            raise ConfigError(run.stale_state())
     except ConfigError as e:
         print(f"launch.local: {e}", file=sys.stderr)
         sys.exit(EXIT_CODES["config"])

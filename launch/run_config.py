@@ -122,12 +122,21 @@ class Run:
     learner: Any
     weight_sync: Any
     extra: dict = field(default_factory=dict)  # OpenRLHF batch-size aliases, resolved in `finish`
+    explicit: dict = field(default_factory=dict)  # the keys the user set (file + flags), as a tree
 
     def sections(self) -> dict[str, Any]:
         return {name: getattr(self, name) for name in section_classes()}
 
     def to_dict(self) -> dict:
         return {name: dataclasses.asdict(cfg) for name, cfg in self.sections().items()}
+
+    def stale_state(self) -> str:
+        """Why starting this run would mix with an earlier one in the same folder ("" when it would not)."""
+        state = Path(self.buffer.state_dir)
+        if state.is_dir() and any(state.iterdir()) and not self.learner.resume:
+            return (f"{self.run.run_dir} holds an earlier run (buffer state in {state}): pass "
+                    f"--learner.resume true to continue it, or choose a new --run.run_dir")
+        return ""
 
 
 def load_run_config(path: str | Path | None, argv: Sequence[str] = ()) -> Run:
@@ -164,7 +173,7 @@ def load_run_config(path: str | Path | None, argv: Sequence[str] = ()) -> Run:
         if not isinstance(sub, dict):
             raise ConfigError(f"section {name!r} must be a mapping, got {sub!r}")
         built[name] = build(cls, sub, name)
-    run = Run(**built, extra=extra)
+    run = Run(**built, extra=extra, explicit=tree)
     finish(run, explicit=tree)
     return run
 
@@ -264,7 +273,8 @@ def assign_ports(run: Run, base: int) -> None:
     """Buffer on base..base+3, weight sync on base+4, written into every section that dials them."""
     run.buffer.port = base
     run.weight_sync.port = base + 4
-    finish(run)
+    run.extra = {}  # already applied; applying twice would divide twice
+    finish(run, explicit=run.explicit)
 
 
 def write_resolved(run: Run, path: str | Path) -> Path:
