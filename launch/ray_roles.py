@@ -28,29 +28,6 @@ from pathlib import Path
 CONTROLLER_PREFIX = "conveyor-run:"
 
 
-def free_port_block(n: int, host: str = "") -> int:
-    """A base port such that base .. base+n-1 could all be bound on every interface just now."""
-    for _ in range(200):
-        with socket.socket() as s:
-            s.bind((host, 0))
-            base = s.getsockname()[1]
-        if base + n >= 65000:
-            continue
-        socks = []
-        try:
-            for p in range(base, base + n):
-                s = socket.socket()
-                socks.append(s)
-                s.bind((host, p))
-            return base
-        except OSError:
-            continue
-        finally:
-            for s in socks:
-                s.close()
-    raise RuntimeError(f"no {n} consecutive free ports on this node")
-
-
 def process_start_time(pid: int) -> str:
     """Field 22 of /proc/PID/stat (start time in clock ticks): tells a process from a reused pid."""
     try:
@@ -91,7 +68,10 @@ class RoleProcess:
                 "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES")}
 
     def free_ports(self, n: int) -> int:
-        return free_port_block(n)
+        from launch.ports import free_port_block
+
+        # every interface (""): roles on other nodes dial this node's routable address
+        return free_port_block(n, host="")
 
     def start(self, argv: list[str], env: dict[str, str], config_text: str, config_path: str, cwd: str,
               ready_line: str | None = None, ready_timeout_s: float = 600.0, attempt: int = 1) -> dict:
