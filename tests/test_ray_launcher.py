@@ -157,6 +157,7 @@ def cluster_address(cluster) -> str:
         return "block forever" in text and text
 
     text = wait_for(ready, 120, "the Ray head to start")
+    text = re.sub(r"\x1b\[[0-9;]*m", "", text)  # with ray[default] installed, `ray start` prints in colour
     ip = re.search(r"Local node IP: (\S+)", text).group(1)
     return f"{ip}:{cluster['port']}"
 
