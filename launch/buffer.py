@@ -8,39 +8,11 @@ sockets are bound; logs go to stderr.
 from __future__ import annotations
 
 import argparse
-import ast
-import dataclasses
-import inspect
 import logging
 import sys
-import textwrap
-import typing
 
 from buffer.config import BufferConfig
-
-
-def field_docs(cls: type) -> dict[str, str]:
-    """The string literal under each field of dataclass `cls` (its doc comment), read from the source."""
-    docs = {}
-    body = ast.parse(textwrap.dedent(inspect.getsource(cls))).body[0].body
-    for node, nxt in zip(body, body[1:]):
-        if (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)
-                and isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant)
-                and isinstance(nxt.value.value, str)):
-            docs[node.target.id] = " ".join(nxt.value.value.split())
-    return docs
-
-
-def config_help(cls: type, section: str) -> str:
-    docs = field_docs(cls)
-    hints = typing.get_type_hints(cls)
-    lines = [f"config keys (YAML section `{section}:`, or --{section}.KEY VALUE):"]
-    for f in dataclasses.fields(cls):
-        tp = hints[f.name]
-        tp = tp.__name__ if isinstance(tp, type) else str(tp).replace("typing.", "")
-        lines.append(f"  --{section}.{f.name} {tp}  (default: {f.default!r})")
-        lines += textwrap.wrap(docs.get(f.name, ""), 96, initial_indent=" " * 6, subsequent_indent=" " * 6)
-    return "\n".join(lines)
+from launch.config import config_help
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -191,6 +191,37 @@ def load_section(cls: type, section: str, config_path: str | Path | None, overri
     return cfg
 
 
+def field_docs(cls: type) -> dict[str, str]:
+    """The string literal under each field of dataclass `cls` (its doc comment), read from the source."""
+    import ast
+    import inspect
+    import textwrap
+
+    docs = {}
+    body = ast.parse(textwrap.dedent(inspect.getsource(cls))).body[0].body
+    for node, nxt in zip(body, body[1:]):
+        if (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)
+                and isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant)
+                and isinstance(nxt.value.value, str)):
+            docs[node.target.id] = " ".join(nxt.value.value.split())
+    return docs
+
+
+def config_help(cls: type, section: str) -> str:
+    """Every key of dataclass `cls` with its type, default and doc comment (a role's `--help` epilog)."""
+    import textwrap
+
+    docs, hints, defaults = field_docs(cls), typing.get_type_hints(cls), cls()
+    lines = [f"config keys (YAML section `{section}:`, or --{section}.KEY VALUE):"]
+    for f in dataclasses.fields(cls):
+        tp = hints[f.name]
+        tp = tp.__name__ if isinstance(tp, type) else str(tp).replace("typing.", "")
+        # the instance's value, not f.default: fields with a default_factory have no f.default
+        lines.append(f"  --{section}.{f.name} {tp}  (default: {getattr(defaults, f.name)!r})")
+        lines += textwrap.wrap(docs.get(f.name, ""), 96, initial_indent=" " * 6, subsequent_indent=" " * 6)
+    return "\n".join(lines)
+
+
 def dump(cfg: Any) -> dict:
     """A dataclass as plain data (for logging and saving the resolved config)."""
     return dataclasses.asdict(cfg)

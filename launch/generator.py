@@ -12,23 +12,7 @@ import argparse
 import logging
 import sys
 
-
-def _config_help(cls: type, section: str) -> str:
-    """Every key of `cls` with its type, default and doc comment."""
-    import dataclasses
-    import textwrap
-    import typing
-
-    from launch.buffer import field_docs
-
-    docs, hints, defaults = field_docs(cls), typing.get_type_hints(cls), cls()
-    lines = [f"config keys (YAML section `{section}:`, or --{section}.KEY VALUE):"]
-    for f in dataclasses.fields(cls):
-        tp = hints[f.name]
-        tp = tp.__name__ if isinstance(tp, type) else str(tp).replace("typing.", "")
-        lines.append(f"  --{section}.{f.name} {tp}  (default: {getattr(defaults, f.name)!r})")
-        lines += textwrap.wrap(docs.get(f.name, ""), 96, initial_indent=" " * 6, subsequent_indent=" " * 6)
-    return "\n".join(lines)
+from launch.config import config_help
 
 
 def role_config(cls: type, section: str, argv: list[str] | None, description: str):
@@ -38,7 +22,7 @@ def role_config(cls: type, section: str, argv: list[str] | None, description: st
 
     p = argparse.ArgumentParser(prog=f"python -m launch.{section}", description=description,
                                 usage=f"python -m launch.{section} [CONFIG.yaml] [--{section}.key VALUE ...]",
-                                epilog=_config_help(cls, section), formatter_class=argparse.RawDescriptionHelpFormatter)
+                                epilog=config_help(cls, section), formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("config", nargs="?", help="run config YAML (optional)")
     argv = list(sys.argv[1:] if argv is None else argv)
     if any(a in ("-h", "--help") for a in argv):
