@@ -161,6 +161,9 @@ class ScorerConfig:
     """Path of a Python file that defines `reward_fn(prompts, completions, labels) -> list[float]`."""
     reward_fn_weight: float = 1.0
     """Weight of the reward function's score in `reward`."""
+    reward_fn_timeout_s: float = 60.0
+    """One call of the reward function (a message's samples, batched) may take this long; past it the
+    worker process running it is killed (and restarted for the next call) and the samples fail."""
 
     reward_model: str = ""
     """An `AutoModelForSequenceClassification` folder (one label); the score of the last token of
@@ -221,6 +224,8 @@ class ScorerConfig:
         for name in ("reward_fn_weight", "reward_model_weight", "remote_weight"):
             if not math.isfinite(getattr(self, name)):
                 errs.append(f"scorer.{name}={getattr(self, name)} must be finite")
+        if not 0 < self.reward_fn_timeout_s < math.inf:
+            errs.append(f"scorer.reward_fn_timeout_s={self.reward_fn_timeout_s} must be > 0 and finite")
         if self.remote_timeout_s <= 0 or self.remote_retries < 1 or self.remote_backoff_s < 0:
             errs.append(f"scorer.remote_timeout_s={self.remote_timeout_s} must be > 0, remote_retries="
                         f"{self.remote_retries} >= 1 and remote_backoff_s={self.remote_backoff_s} >= 0")

@@ -3,7 +3,9 @@
 `Scorer.score` does the work for one message of rollouts: every configured reward component scores
 every rollout (`scores[name]`), `reward` is their weighted sum, and a reference model adds
 `ref_logprobs`. A sample any component failed on is sent with `failed=True` and the reasons in
-`error`: the buffer drops its group and counts it, so a bad reward function never stalls a run.
+`error`: the buffer drops its group and counts it, so a bad reward function never stalls a run. The
+reward function runs in a worker process (actors/rewards.py): one that hangs past
+`scorer.reward_fn_timeout_s` or crashes fails its message's samples and is restarted.
 Several scorer processes may run side by side; the relay deals messages out round-robin.
 """
 
@@ -76,9 +78,11 @@ class Scorer:
     def __init__(self, cfg: ScorerConfig):
         self.parts: list[tuple[object, float]] = []  # (component, weight in `reward`)
         self.reference: Reference | None = None
+        self.reward_fn: RewardFn | None = None  # also kept here: it has a worker process to close
         for kind in cfg.kinds:
             if kind == "reward_fn":
-                self.parts.append((RewardFn(cfg.reward_fn), cfg.reward_fn_weight))
+                self.reward_fn = RewardFn(cfg.reward_fn, cfg.reward_fn_timeout_s)
+                self.parts.append((self.reward_fn, cfg.reward_fn_weight))
             elif kind == "reward_model":
                 self.parts.append((RewardModel(cfg.reward_model, cfg.dtype, cfg.device, cfg.batch_size,
                                                cfg.reward_model_max_len), cfg.reward_model_weight))
@@ -93,6 +97,21 @@ class Scorer:
         self.failures = Counter()  # by component name
         self.scored = 0
         self.failed = 0
+
+    @property
+    def timeouts(self) -> int:
+        """Reward function calls killed for running past `scorer.reward_fn_timeout_s`."""
+        return self.reward_fn.timeouts if self.reward_fn else 0
+
+    @property
+    def crashes(self) -> int:
+        """Reward function calls during which its worker process died."""
+        return self.reward_fn.crashes if self.reward_fn else 0
+
+    def close(self) -> None:
+        """Stop the reward function's worker process."""
+        if self.reward_fn is not None:
+            self.reward_fn.close()
 
     def _component(self, name: str, fn, n: int):
         """fn() guarded: an unexpected exception fails the message's samples, not the process."""
@@ -156,11 +175,14 @@ def run_scorer(cfg: ScorerConfig, stop: threading.Event | None = None) -> int:
                 busy_s += time.monotonic() - t0
             if time.monotonic() - t_log >= cfg.log_every_s and scorer.scored > last_scored:
                 dt = time.monotonic() - t_log
-                log.info("%d samples in %.1fs (%.1f/s, busy %.0f%%); total scored=%d failed=%d %s bad_messages=%d",
-                         scorer.scored - last_scored, dt, (scorer.scored - last_scored) / dt, 100 * busy_s / dt,
-                         scorer.scored, scorer.failed, dict(scorer.failures), bad_messages)
+                log.info("%d samples in %.1fs (%.1f/s, busy %.0f%%); total scored=%d failed=%d %s bad_messages=%d "
+                         "reward_fn_timeouts=%d reward_fn_crashes=%d", scorer.scored - last_scored, dt,
+                         (scorer.scored - last_scored) / dt, 100 * busy_s / dt, scorer.scored, scorer.failed,
+                         dict(scorer.failures), bad_messages, scorer.timeouts, scorer.crashes)
                 t_log, last_scored, busy_s = time.monotonic(), scorer.scored, 0.0
     finally:
-        log.info("exiting: scored=%d failed=%d %s", scorer.scored, scorer.failed, dict(scorer.failures))
+        log.info("exiting: scored=%d failed=%d %s reward_fn_timeouts=%d reward_fn_crashes=%d", scorer.scored,
+                 scorer.failed, dict(scorer.failures), scorer.timeouts, scorer.crashes)
         client.close()
+        scorer.close()
     return 0

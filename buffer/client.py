@@ -28,6 +28,7 @@ from buffer.protocol import (
     Metrics,
     MetricsRequest,
     ProtocolError,
+    Resume,
     Rollout,
     RolloutsMsg,
     ScoredMsg,
@@ -45,6 +46,10 @@ class BufferError(RuntimeError):
 
 class BufferDone(RuntimeError):
     """The buffer has nothing more to give (dataset exhausted, or shutting down)."""
+
+
+class ResumeNeeded(BufferError):
+    """The buffer was restored from disk and serves no batch before the learner's `resume` handshake."""
 
 
 class BufferClient:
@@ -85,6 +90,8 @@ class BufferClient:
         frames = sock.recv_multipart(copy=False)
         reply = decode([f.buffer for f in frames[1:]], self.limits)
         if isinstance(reply, Error):
+            if reply.field == "resume":
+                raise ResumeNeeded(reply.message)
             raise BufferError(f"buffer refused {type(msg).__name__}: {reply.message}"
                               + (f" (field {reply.field})" if reply.field else ""))
         return reply
@@ -106,19 +113,26 @@ class BufferClient:
     def set_version(self, version: int) -> Ack:
         return self.request(SetVersion(version))
 
+    def resume(self, step: int, trained: Sequence[int]) -> Ack:
+        """The learner's handshake: it continues at `step`, its lineage trained the groups `trained`."""
+        return self.request(Resume(step, list(trained)))
+
     def metrics(self) -> dict[str, float]:
         reply = self.request(MetricsRequest())
         assert isinstance(reply, Metrics)
         return reply.values
 
     def get_batch(self, step: int, rank: int = 0, world_size: int = 1, timeout_s: float | None = None,
-                  poll_s: float = 0.05) -> Batch:
+                  poll_s: float = 0.05, on_wait=None, report_every_s: float = 30.0) -> Batch:
         """This rank's share of step `step`'s batch, waiting until the buffer has it.
 
-        Raises `TimeoutError` after `timeout_s` (default: the client's), `BufferDone` when the data
-        has run out.
+        Raises `TimeoutError` after `timeout_s` (default: the client's), naming what the buffer
+        last said it waits for; `BufferDone` when the data has run out. `on_wait(waited_s, reason)`
+        is called every `report_every_s` of waiting with the buffer's diagnosis.
         """
-        deadline = time.monotonic() + (self.timeout_s if timeout_s is None else timeout_s)
+        t0 = time.monotonic()
+        deadline = t0 + (self.timeout_s if timeout_s is None else timeout_s)
+        next_report = t0 + report_every_s
         while True:
             reply = self.request(BatchRequest(step, rank, world_size))
             if isinstance(reply, Batch):
@@ -126,8 +140,12 @@ class BufferClient:
             if isinstance(reply, Wait):
                 if reply.done:
                     raise BufferDone(reply.reason)
-                if time.monotonic() + reply.retry_after_s > deadline:
-                    raise TimeoutError(f"no batch for step {step} rank {rank}: {reply.reason}")
+                now = time.monotonic()
+                if now + reply.retry_after_s > deadline:
+                    raise TimeoutError(f"no batch for step {step} rank {rank} after {now - t0:.0f}s: {reply.reason}")
+                if on_wait is not None and now >= next_report:
+                    on_wait(now - t0, reply.reason)
+                    next_report = now + report_every_s
                 time.sleep(min(reply.retry_after_s, poll_s) if poll_s else reply.retry_after_s)
                 continue
             raise BufferError(f"unexpected reply to batch_request: {type(reply).__name__}")

@@ -35,6 +35,15 @@ class BufferConfig:
     """Complete groups held for learners at most; past it the oldest are dropped and counted."""
     log_interval_s: float = 30.0
     """Seconds between the info-level summaries the buffer logs."""
+    fsync: str = "never"
+    """When the state log is fsynced (records always reach the OS before the buffer answers, so a
+    killed buffer loses nothing it acknowledged; this is about a lost machine): `never`, `batch`
+    (once per pass of the loop that wrote anything; ~1 fsync per request burst), `record` (after
+    every record: the safest, one disk flush per lease and group, slow on network disks), or an
+    interval in seconds such as `5`."""
+    compact_mb: float = 64.0
+    """Rewrite the state log while running once it has grown by this many MB (and by more than its
+    size after the last rewrite): disk use follows what is in flight, not the run's length."""
     log_level: str = "info"
     """Logging level of the buffer process: debug (a line per lease and batch), info, warning."""
 
@@ -57,10 +66,35 @@ class BufferConfig:
                         f"buffer.prompts_per_step={self.prompts_per_step} (a step's batch must fit)")
         if self.log_interval_s <= 0:
             errs.append(f"buffer.log_interval_s={self.log_interval_s} must be > 0")
+        try:
+            fsync_policy(self.fsync)
+        except ValueError as e:
+            errs.append(str(e))
+        if self.compact_mb <= 0:
+            errs.append(f"buffer.compact_mb={self.compact_mb} must be > 0")
         if self.log_level.lower() not in ("debug", "info", "warning", "error"):
             errs.append(f"buffer.log_level={self.log_level!r} must be one of debug, info, warning, error")
         if errs:
             raise ValueError("; ".join(errs))
+
+
+def fsync_policy(value: str) -> float | None:
+    """`buffer.fsync` as seconds between fsyncs: None never, 0.0 every record, -1.0 every loop pass."""
+    v = str(value).strip().lower()
+    if v == "never":
+        return None
+    if v == "record":
+        return 0.0
+    if v == "batch":
+        return -1.0
+    try:
+        seconds = float(v[:-1] if v.endswith("s") else v)
+    except ValueError:
+        raise ValueError(f"buffer.fsync={value!r} must be never, batch, record or a number of seconds") from None
+    if not seconds > 0:
+        raise ValueError(f"buffer.fsync={value!r}: an interval must be > 0 seconds")
+    return seconds
+
 
 
 def endpoints(host: str, port: int) -> dict[str, str]:

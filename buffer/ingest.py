@@ -34,6 +34,7 @@ class ScoredMeta(NamedTuple):
     min_version: int | None  # oldest token's policy version; None for an empty completion
     reward: float
     error: str
+    max_version: int | None = None  # newest token's policy version; None for an empty completion
 
 
 def scored_meta(frame: bytes, where: str, limits: Limits) -> ScoredMeta:
@@ -47,7 +48,8 @@ def scored_meta(frame: bytes, where: str, limits: Limits) -> ScoredMeta:
     item = decode_item(frame, "scored", where, limits)
     r = item.rollout
     return ScoredMeta(r.group_id, r.sample_index, r.lease_id, item.failed,
-                      int(r.versions.min()) if len(r.versions) else None, item.reward, item.error)
+                      int(r.versions.min()) if len(r.versions) else None, item.reward, item.error,
+                      int(r.versions.max()) if len(r.versions) else None)
 
 
 def _fast(frame: bytes, L: Limits) -> ScoredMeta | None:
@@ -105,5 +107,7 @@ def _fast(frame: bytes, L: Limits) -> ScoredMeta | None:
     label = r.get("label")
     if label is not None and (type(label) is not str or len(label) > L.max_str_bytes):
         return None
-    min_version = int(np.frombuffer(versions, ID_DTYPE).min()) if nbytes else None
-    return ScoredMeta(gid, si, lid, failed, min_version, float(reward), error)
+    if nbytes:
+        v = np.frombuffer(versions, ID_DTYPE)
+        return ScoredMeta(gid, si, lid, failed, int(v.min()), float(reward), error, int(v.max()))
+    return ScoredMeta(gid, si, lid, failed, None, float(reward), error, None)

@@ -25,6 +25,7 @@ SCHEMA_VERSION = 1
 
 ID_DTYPE = np.dtype("<i4")  # token ids and policy versions
 LOGPROB_DTYPE = np.dtype("<f4")  # log-probs
+GROUP_DTYPE = np.dtype("<i8")  # prompt group ids in a `resume` handshake
 
 
 class ProtocolError(ValueError):
@@ -343,6 +344,16 @@ class SetVersion:
 
 
 @dataclass
+class Resume:
+    """The learner, started from its checkpoint at `step` (0: from scratch), says where its lineage
+    stands: `trained` are the groups it trained in steps 0..step-1 (its ledger), (K,) int64. The
+    buffer puts itself at that point (`BufferState.resume`) and answers `Ack`."""
+
+    step: int
+    trained: Any = ()
+
+
+@dataclass
 class MetricsRequest:
     pass
 
@@ -400,6 +411,8 @@ def encode(msg: Any) -> list[bytes]:
             "version": msg.version,
         }
         return [_pack({**head, "type": "lease_grant", **body})]
+    if isinstance(msg, Resume):
+        return [_pack({**head, "type": "resume", "step": msg.step, "trained": pack_array(msg.trained, GROUP_DTYPE)})]
     name = _TYPE_NAMES.get(type(msg))
     if name is None:
         raise TypeError(f"not a protocol message: {type(msg).__name__}")
@@ -526,6 +539,7 @@ _DECODERS = {
         _int(d, "step", "batch_request", 0), _int(d, "rank", "batch_request", 0, 1 << 16),
         _int(d, "world_size", "batch_request", 1, 1 << 16)),
     "set_version": lambda d, L: SetVersion(_int(d, "version", "set_version", 0)),
+    "resume": lambda d, L: Resume(_int(d, "step", "resume", 0), _array(d, "trained", "resume", GROUP_DTYPE, L)),
     "metrics_request": lambda d, L: MetricsRequest(),
     "metrics": lambda d, L: Metrics({k: float(v) for k, v in _scalar_map(
         d, "values", "metrics", L, values=(int, float), allow_none=False).items()}),

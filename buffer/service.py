@@ -36,6 +36,7 @@ from buffer.protocol import (
     Metrics,
     MetricsRequest,
     ProtocolError,
+    Resume,
     SetVersion,
     Wait,
     decode,
@@ -85,7 +86,8 @@ class BufferService:
         self.warnings = WarnLimiter()
         self.stopping = False
         prompts = load_prompts(cfg.prompts)
-        self.store = StateStore(cfg.state_dir) if cfg.state_dir else None
+        self.store = (StateStore(cfg.state_dir, cfg.fsync, int(cfg.compact_mb * 1e6))
+                      if cfg.state_dir else None)
         if resume and not (self.store and self.store.exists()):
             where = f"{cfg.state_dir}/" if cfg.state_dir else "(buffer.state_dir is not set)"
             raise ResumeError(f"--resume: no saved buffer state in {where}")
@@ -132,13 +134,15 @@ class BufferService:
         for gid, frames in saved.groups.items():
             try:
                 metas = [scored_meta(f, f"state group {gid}", self.limits) for f in frames]
-                groups[gid] = [Sample(f, saved.version if m.min_version is None else m.min_version, m.reward)
+                groups[gid] = [Sample(f, saved.version if m.min_version is None else m.min_version, m.reward,
+                                      -1 if m.max_version is None else m.max_version)
                                for m, f in zip(metas, frames)]
             except ProtocolError as e:
                 log.warning("state: group %d cannot be read back (%s); dropping it", gid, e)
         self.state.restore(saved, groups)
-        log.info("resumed from %s: version %d, %d groups issued, %d queued for learners, %d to issue again",
-                 self.store.path, saved.version, saved.next_group, len(self.state.ready), len(saved.open_groups))
+        log.info("restored from %s: version %d, %d groups issued, %d accepted and unserved, %d to issue again; "
+                 "nothing is leased or served until the learner's resume handshake", self.store.path,
+                 saved.version, saved.next_group, len(self.state.ready), len(saved.open_groups))
 
     # ---- the loop --------------------------------------------------------------------------
 
@@ -170,6 +174,7 @@ class BufferService:
                 self.summary(now)
             if self.store:
                 self.store.flush()
+                self.store.maybe_compact(self.state)
         self.shutdown()
 
     def _on_signal(self, signum, frame) -> None:
@@ -221,7 +226,7 @@ class BufferService:
             raise ProtocolError("envelope.type", f"{kind!r} is not a request the buffer serves on control")
         msg = decode(body, self.limits)
         if isinstance(msg, LeaseRequest):
-            reply = self.state.lease(msg.worker_id, msg.max_groups, now)
+            reply = self.state.lease(msg.worker_id, msg.max_groups, now, msg.version)
             if isinstance(reply, Wait):
                 log.debug("lease for %s: wait (%s)", msg.worker_id, reply.reason)
             else:
@@ -237,7 +242,7 @@ class BufferService:
                 return encode(Ack(1, 0, f"group {msg.group_id} dropped"))
             return encode(Ack(0, 1, f"group {msg.group_id} is not pending under lease {msg.lease_id}"))
         if isinstance(msg, BatchRequest):
-            reply = self.state.batch(msg.step, msg.rank, msg.world_size)
+            reply = self.state.batch(msg.step, msg.rank, msg.world_size, now)
             if isinstance(reply, Wait):
                 return encode(reply)
             frames, stats = reply
@@ -247,8 +252,16 @@ class BufferService:
         if isinstance(msg, SetVersion):
             self.state.set_version(msg.version)
             return encode(Ack(1, 0, f"version {self.state.version}"))
+        if isinstance(msg, Resume):
+            was = self.state.version
+            moved = self.state.resume(msg.step, set(msg.trained.tolist()))
+            if not moved["noop"]:
+                log.info("resume at step %d (the buffer was at version %d): %d groups trained by the learner's "
+                         "lineage, %d accepted groups kept, %d issued again", msg.step, was, moved["trained"],
+                         moved["kept_ready"], moved["reissued"])
+            return encode(Ack(1, 0, f"resumed at step {msg.step}: {moved['reissued']} groups issued again"))
         if isinstance(msg, MetricsRequest):
-            return encode(Metrics(self.state.metrics()))
+            return encode(Metrics(self.state.metrics(now)))
         raise ProtocolError("envelope.type", f"{type(msg).__name__} is not a request the buffer serves")
 
     # ---- scored rollouts -------------------------------------------------------------------
@@ -274,9 +287,10 @@ class BufferService:
                                     f"{m.sample_index} >= n_samples_per_prompt {n}")
             metas.append(m)
         accepted = 0
+        now = time.monotonic()
         for m, f in zip(metas, item_frames):
             outcome = self.state.add_sample(m.group_id, m.sample_index, m.lease_id, m.failed, m.min_version,
-                                            m.reward, f)
+                                            m.reward, f, m.max_version, now)
             if outcome in ("accepted", "complete"):
                 accepted += 1
             elif outcome == "failed":
@@ -328,7 +342,7 @@ class BufferService:
 
     def summary(self, now: float) -> None:
         interval = self.cfg.log_interval_s + now - self._next_summary
-        m = self.state.metrics()
+        m = self.state.metrics(now)
         log.info("version %d | groups queued %d leased %d issued %d/%d | accepted %d served %d | dropped "
                  "stale %d failed %d overflow %d | late %d malformed %d | %.0f rollouts/s in",
                  m["buffer/version"], m["buffer/queued_groups"], m["buffer/leased_groups"],
@@ -351,7 +365,7 @@ class BufferService:
         self.close_sockets()
         self.ctx.term()
         if self.store:
-            self.store.counters(self.state.counters)
+            self.store.snapshot(self.state)
             self.store.close()
             log.info("state written to %s", self.store.path)
         log.info("stopped: %d groups accepted, %d served", self.state.counters["accepted_groups"],

@@ -6,10 +6,16 @@ and its return values into replies. The rules that tests check against hand-work
 
 Life of a prompt group k (counted from 0 over the whole run):
 
-    issued (leased) ──all n samples in──> ready ──batch for a step──> served
+    issued (leased) ──all n samples in──> ready ──batch for a step──> served ──step trained──> in the ledger
         │   │                               │
         │   └─ lease expired: back to the front of the queue, issued again under a new lease
         └─ failed sample / GroupFailed: dropped          └─ too old for the step: dropped (stale)
+
+Resume (`BufferState.resume`): the learner, restarted from its checkpoint at step N, says N and the
+groups its lineage trained (its ledger). Every other group the buffer had served, leased or queued
+with tokens newer than version N is issued again; stale drops judged at versions after N are undone
+(issued again); version N holds from then on. A buffer restored from disk leases nothing until
+that handshake, so no generator works for a lineage that no longer exists.
 """
 
 from __future__ import annotations
@@ -138,6 +144,7 @@ class Sample:
     frame: bytes
     min_version: int  # oldest token's policy version
     reward: float
+    max_version: int = -1  # newest token's policy version (-1: none, or not known)
 
 
 @dataclass
@@ -154,8 +161,11 @@ class ReadyGroup:
     samples: list[Sample]  # by sample index
     min_version: int = field(init=False)  # oldest token of the group: what staleness is judged by
 
+    max_version: int = field(init=False)  # newest token: a version after a resume point voids the group
+
     def __post_init__(self) -> None:
         self.min_version = min(s.min_version for s in self.samples)
+        self.max_version = max(max(s.max_version, s.min_version) for s in self.samples)
 
     def __lt__(self, other: "ReadyGroup") -> bool:  # heap order: oldest group first
         return self.group_id < other.group_id
@@ -203,6 +213,38 @@ def share_stats(groups: list[ReadyGroup], step: int) -> dict[str, float]:
     }
 
 
+QUIET_S = 30.0  # a producer silent this long is named in a diagnosis
+
+
+def describe_wait(m: dict[str, float]) -> str:
+    """Why no batch is ready, from the buffer's metrics: what a waiting learner and a stall report say."""
+    if m.get("buffer/awaiting_resume"):
+        return ("the buffer was restored from disk and waits for the learner to say which checkpoint it "
+                "resumed from")
+    parts = []
+    live, limit, version = m["buffer/live_groups"], m["buffer/admission_limit"], m["buffer/version"]
+    if m["buffer/issued_groups"] >= m["buffer/total_groups"] and not m["buffer/requeued_groups"]:
+        parts.append(f"every one of the {m['buffer/total_groups']:.0f} groups of the data has been issued")
+    elif live >= limit:
+        parts.append(f"admission limit reached at version {version:.0f} ({live:.0f} live groups, limit {limit:.0f})")
+    since = m.get("buffer/since_lease_request_s", -1.0)
+    if since < 0:
+        parts.append("no generator has asked for a lease yet")
+    elif since > QUIET_S:
+        parts.append(f"no generator has asked for a lease for {since:.0f}s")
+    if m.get("buffer/refused_old_weights_recent"):
+        parts.append("a generator with weights older than max_staleness allows was refused a lease (it must "
+                     "load the learner's weights first)")
+    parts.append(f"groups: {m['buffer/queued_groups']:.0f} queued of {m['buffer/prompts_per_step']:.0f} per "
+                 f"step, {m['buffer/leased_groups']:.0f} leased ({m['buffer/partial_groups']:.0f} partly "
+                 f"scored), {m['buffer/requeued_groups']:.0f} to issue again")
+    scored = m.get("buffer/since_scored_s", -1.0)
+    if m["buffer/leased_groups"] and (scored < 0 or scored > QUIET_S):
+        parts.append("no scored rollout has arrived yet" if scored < 0 else
+                     f"no scored rollout for {scored:.0f}s (are the scorers up?)")
+    return "; ".join(parts)
+
+
 class BufferState:
     """Everything the buffer knows; the service calls one method per request."""
 
@@ -213,7 +255,7 @@ class BufferState:
         self.store = store  # `buffer.store.StateStore` or None; told about every change worth keeping
         self.version = 0  # the learner's version: max of SetVersion and the steps asked for
         self.next_group = 0  # groups issued for the first time so far (the next fresh group id)
-        self.n_dropped = 0  # groups dropped (stale, failed, overflow): they no longer count as live
+        self.dropped: dict[int, tuple[str, int]] = {}  # group id -> (counter it went to, version then)
         self.next_lease_id = 1
         self.requeue: deque[int] = deque()  # groups whose lease expired, issued again before new ones
         self.pending: dict[int, PendingGroup] = {}  # group id -> group leased and not complete
@@ -221,10 +263,19 @@ class BufferState:
         self.ready: list[ReadyGroup] = []  # heap, oldest group id first
         self.batches: dict[int, StepBatch] = {}  # step -> batch not yet released
         self.released_steps: set[int] = set()
+        self.next_step = 0  # one past the newest step a batch was assembled for
+        self.awaiting_resume = False  # restored from disk: nothing is leased or served before `resume`
         self.last_staleness_mean = 0.0
+        self.last_lease_request: float | None = None
+        self.last_scored: float | None = None
+        self.last_old_weights: float | None = None  # when a lease was last refused for old weights
         self.counters: Counter[str] = Counter()
 
     # ---- leases ----------------------------------------------------------------------------
+
+    @property
+    def n_dropped(self) -> int:
+        return len(self.dropped)
 
     @property
     def k_live(self) -> int:
@@ -237,8 +288,24 @@ class BufferState:
         """Every group of every epoch issued, and none waiting to be issued again."""
         return self.next_group >= self.order.total and not self.requeue
 
-    def lease(self, worker_id: str, max_groups: int, now: float) -> LeaseGrant | Wait:
+    def lease(self, worker_id: str, max_groups: int, now: float, version: int | None = None) -> LeaseGrant | Wait:
+        """Up to `max_groups` groups for `worker_id`, whose weights are at `version` (None: not said)."""
+        self.last_lease_request = now
         self.expire(now)
+        if self.awaiting_resume:
+            return Wait("the buffer was restored from disk: waiting for the learner's resume handshake",
+                        LEASE_RETRY_S)
+        if version is not None and version > self.version:
+            # only a lineage the learner no longer continues (it resumed from an earlier checkpoint) has these
+            self.counters["refused_future_weights"] += 1
+            return Wait(f"weights v{version} are newer than the learner's v{self.version}: load the learner's "
+                        f"current weights first", LEASE_RETRY_S)
+        if version is not None and version < self.version - self.cfg.max_staleness:
+            self.counters["refused_old_weights"] += 1
+            self.last_old_weights = now
+            return Wait(f"weights v{version} are more than max_staleness={self.cfg.max_staleness} behind the "
+                        f"learner's v{self.version}: every rollout would be dropped as stale; load newer weights",
+                        LEASE_RETRY_S)
         group_ids = []
         while len(group_ids) < max_groups:
             if self.requeue:
@@ -303,10 +370,11 @@ class BufferState:
                 del self.leases[g.lease_id]
 
     def _drop(self, group_ids: list[int], counter: str) -> None:
-        self.n_dropped += len(group_ids)
+        for gid in group_ids:
+            self.dropped[gid] = (counter, self.version)
         self.counters[counter] += len(group_ids)
         if self.store:
-            self.store.dropped(group_ids)
+            self.store.dropped(group_ids, counter, self.version)
 
     def group_failed(self, lease_id: int, group_id: int) -> bool:
         """A generator gave the group up: drop it (not issued again). False if it was not its to give up."""
@@ -321,12 +389,18 @@ class BufferState:
     # ---- scored rollouts -------------------------------------------------------------------
 
     def add_sample(self, group_id: int, sample_index: int, lease_id: int, failed: bool,
-                   min_version: int | None, reward: float, frame: bytes) -> str:
-        """One scored rollout; returns what became of it: accepted | complete | late | duplicate | failed."""
+                   min_version: int | None, reward: float, frame: bytes, max_version: int | None = None,
+                   now: float = 0.0) -> str:
+        """One scored rollout; returns what became of it: accepted | complete | late | duplicate | failed | future."""
+        self.last_scored = now
         g = self.pending.get(group_id)
         if g is None or g.lease_id != lease_id:
             self.counters["late"] += 1
             return "late"
+        if max_version is not None and max_version > self.version:
+            # sampled by weights the learner has not made (yet, or any more): never trained on as current
+            self.counters["future_rollouts"] += 1
+            return "future"
         if failed:
             self._finish_in_lease(g)
             self._drop([group_id], "failed_groups")
@@ -334,7 +408,8 @@ class BufferState:
         if sample_index in g.samples:
             self.counters["duplicates"] += 1
             return "duplicate"
-        g.samples[sample_index] = Sample(frame, g.version if min_version is None else min_version, reward)
+        mv = g.version if min_version is None else min_version
+        g.samples[sample_index] = Sample(frame, mv, reward, mv if max_version is None else max_version)
         self.counters["accepted_rollouts"] += 1
         if len(g.samples) < self.cfg.n_samples_per_prompt:
             return "accepted"
@@ -361,20 +436,75 @@ class BufferState:
         self.version = version
         if self.store:
             self.store.version(version)
+        self._drop_stale()
+
+    def _drop_stale(self) -> None:
         # Drop what is now too old as soon as the version moves, not when a batch is assembled:
         # each drop frees an admission slot for a fresh group.
-        floor = version - self.cfg.max_staleness
+        floor = self.version - self.cfg.max_staleness
         stale = [g for g in self.ready if g.min_version < floor]
         if stale:
             self.ready = [g for g in self.ready if g.min_version >= floor]
             heapq.heapify(self.ready)
             self._drop([g.group_id for g in stale], "dropped_stale")
 
+    # ---- resume ----------------------------------------------------------------------------
+
+    def resume(self, step: int, trained: set[int]) -> dict[str, int]:
+        """Continue from the learner's checkpoint at `step`, whose lineage trained the groups `trained`.
+
+        Afterwards the buffer is what an uninterrupted run would hold at version `step`, but for
+        the work it redoes: every group neither trained nor finally dropped is ready (when its
+        tokens all come from versions <= step) or issued again (served in a step the learner
+        redoes, leased, queued with newer tokens, or dropped as stale at a later version).
+        Returns the counts of what moved.
+        """
+        if not self.awaiting_resume and step == self.version and self.next_step <= step:
+            return {"reissued": 0, "kept_ready": len(self.ready), "trained": len(trained), "noop": 1}
+        ready = {g.group_id: g for g in self.ready}
+        top = max(self.next_group, max(trained, default=-1) + 1)  # the buffer's log may be behind the learner
+        again, kept = [], []
+        for gid in range(top):
+            if gid in trained:
+                self.dropped.pop(gid, None)  # the learner's word wins over a log that was behind
+                continue
+            g = ready.get(gid)
+            if g is not None and g.max_version <= step:
+                kept.append(g)
+                continue
+            if g is None and gid in self.dropped:
+                counter, at = self.dropped[gid]
+                if counter != "dropped_stale" or at <= step:
+                    continue  # final: it would be dropped in this lineage too
+                del self.dropped[gid]
+            again.append(gid)
+        self.leases.clear()
+        self.pending.clear()
+        self.batches.clear()
+        self.released_steps.clear()
+        self.requeue = deque(again)  # oldest first
+        self.ready = kept
+        heapq.heapify(self.ready)
+        self.next_group = top
+        self.next_step = step
+        self.version = step
+        self.awaiting_resume = False
+        self._drop_stale()
+        self.counters["resumes"] += 1
+        self.counters["reissued_after_resume"] += len(again)
+        if self.store:
+            self.store.snapshot(self)
+        return {"reissued": len(again), "kept_ready": len(self.ready), "trained": len(trained), "noop": 0}
+
     # ---- batches ---------------------------------------------------------------------------
 
-    def batch(self, step: int, rank: int, world_size: int) -> tuple[list[bytes], dict[str, float]] | Wait:
+    def batch(self, step: int, rank: int, world_size: int, now: float | None = None
+              ) -> tuple[list[bytes], dict[str, float]] | Wait:
         """Rank `rank`'s share of step `step` as (frames, stats), or Wait; RequestError if it cannot be."""
         pps = self.cfg.prompts_per_step
+        if self.awaiting_resume:
+            raise RequestError("resume", "the buffer was restored from disk: the learner must send its resume "
+                                         "handshake (the step it resumed from and the groups it trained) first")
         if rank >= world_size:
             raise RequestError("batch_request.rank", f"rank {rank} >= world_size {world_size}")
         if pps % world_size:
@@ -389,8 +519,7 @@ class BufferState:
                 if self.exhausted() and not self.pending:
                     return Wait(f"no batch for step {step} can be formed: data exhausted with "
                                 f"{len(self.ready)} of {pps} groups left", BATCH_RETRY_S, done=True)
-                return Wait(f"step {step}: {len(self.ready)} of {pps} groups ready, "
-                            f"{len(self.pending)} leased", BATCH_RETRY_S)
+                return Wait(f"step {step}: " + describe_wait(self.metrics(now)), BATCH_RETRY_S)
             b = self._assemble(step, world_size)
         if world_size != b.world_size:
             raise RequestError("batch_request.world_size",
@@ -412,13 +541,14 @@ class BufferState:
         self.last_staleness_mean = share_stats(groups, step)["staleness_mean"]
         b = StepBatch(step, world_size, shares, stats, [g.group_id for g in groups])
         self.batches[step] = b
+        self.next_step = max(self.next_step, step + 1)
         self.counters["served_groups"] += pps
         self.counters["served_rollouts"] += sum(len(s) for s in shares)
         return b
 
     def _fetched_by_all(self, b: StepBatch) -> None:
         if self.store:
-            self.store.served(b.group_ids)
+            self.store.served(b.step, b.group_ids)
         done = sorted(s for s, x in self.batches.items() if len(x.fetched) == x.world_size)
         for s in done[:-KEEP_FETCHED_STEPS]:
             del self.batches[s]
@@ -426,12 +556,22 @@ class BufferState:
 
     # ---- metrics and persistence -----------------------------------------------------------
 
-    def metrics(self) -> dict[str, float]:
+    def open_groups(self) -> list[int]:
+        """Issued and neither ready, dropped nor served: what a restart must issue again."""
+        held = {gid for b in self.batches.values() if len(b.fetched) < b.world_size for gid in b.group_ids}
+        return sorted(set(self.requeue) | set(self.pending) | held)
+
+    def metrics(self, now: float | None = None) -> dict[str, float]:
         c = self.counters
+
+        def since(t: float | None) -> float:
+            return -1.0 if t is None or now is None else now - t
+
         m = {
             "buffer/version": self.version,
             "buffer/queued_groups": len(self.ready),
             "buffer/leased_groups": len(self.pending),
+            "buffer/partial_groups": sum(1 for g in self.pending.values() if g.samples),
             "buffer/requeued_groups": len(self.requeue),
             "buffer/active_leases": len(self.leases),
             "buffer/issued_groups": self.next_group,
@@ -439,11 +579,18 @@ class BufferState:
             "buffer/admission_limit": admission_limit(self.version, self.cfg.max_staleness,
                                                       self.cfg.prompts_per_step),
             "buffer/total_groups": self.order.total,
+            "buffer/prompts_per_step": self.cfg.prompts_per_step,
             "buffer/staleness_mean": self.last_staleness_mean,
+            "buffer/awaiting_resume": float(self.awaiting_resume),
+            "buffer/since_lease_request_s": since(self.last_lease_request),
+            "buffer/since_scored_s": since(self.last_scored),
+            "buffer/refused_old_weights_recent": float(0 <= since(self.last_old_weights) < QUIET_S),
+            "buffer/dropped_groups": self.n_dropped,
         }
         for name in ("accepted_groups", "accepted_rollouts", "dropped_stale", "dropped_overflow",
                      "failed_groups", "late", "duplicates", "malformed", "reissued", "expired_leases",
-                     "leases", "served_groups", "served_rollouts", "relayed", "internal_errors"):
+                     "leases", "served_groups", "served_rollouts", "relayed", "internal_errors", "resumes",
+                     "reissued_after_resume", "future_rollouts", "refused_old_weights", "refused_future_weights"):
             m[f"buffer/{name}"] = c[name]
         for name, v in c.items():
             m.setdefault(f"buffer/{name}", v)
@@ -451,12 +598,15 @@ class BufferState:
 
     def restore(self, saved, groups: dict[int, list[Sample]]) -> None:
         """Continue from `buffer.store.Restored` (`groups`: its accepted-but-unserved groups, read back):
-        those queue again, the groups leased and never answered are issued again, no fresh id repeats."""
+        those queue again, the groups leased and never answered are issued again, no fresh id repeats.
+        Nothing is leased or served until the learner's `resume` handshake says where it stands."""
         self.next_group = saved.next_group
         self.next_lease_id = saved.next_lease_id
-        self.n_dropped = saved.n_dropped
+        self.dropped = dict(saved.dropped)
         self.version = saved.version
         self.counters.update(saved.counters)
         self.requeue.extend(saved.open_groups)
         for gid, samples in sorted(groups.items()):
-            self._add_ready(ReadyGroup(gid, samples), restored=True)
+            if gid not in self.dropped:
+                heapq.heappush(self.ready, ReadyGroup(gid, samples))  # judged (stale or not) at `resume`
+        self.awaiting_resume = True

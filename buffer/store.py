@@ -1,17 +1,28 @@
 """What a replay buffer keeps on disk (`buffer.state_dir`): one append-only log of msgpack records.
 
-    ["base", next_group, next_lease_id, n_dropped, version, [open group ids]]   after a compaction
+    ["base", next_group, next_lease_id, version, [open group ids], [[group id, counter, version], ...]]
+                                         a snapshot: what follows it is relative to it
     ["lease", lease_id, [group ids]]     a grant; fresh group ids extend the issued range
     ["group", group_id, [frames]]        an accepted complete group: its scored-rollout frames as received
-    ["served", [group ids]]              every rank fetched the step these groups were in
-    ["dropped", [group ids]]             stale, failed or overflowed: never served, never issued again
+    ["served", step, [group ids]]        every rank fetched step `step`'s batch, made of these groups
+    ["dropped", [group ids], counter, version]
+                                         stale, failed or overflowed (`counter`) at learner `version`
     ["version", v]                       the learner's version moved
     ["counters", {name: value}]          metrics counters, at each summary and at shutdown
 
-Replaying the log gives the groups accepted and not yet served (they are queued again) and the
-groups issued but never answered (issued again). Loading compacts the log to a `base` record plus
-the unserved groups, so it does not grow across restarts. Records are flushed to the OS each
-iteration of the buffer's loop (not fsynced): a killed buffer loses nothing; a lost machine may.
+Replaying the log gives the groups accepted and not yet served (they are queued again), the groups
+issued but never answered (issued again) and every drop with its reason. Served groups are the
+issued ones that are none of these, so nothing per served group needs keeping.
+
+Size: the log is rewritten as one `base` record plus the unserved groups when it is loaded, after
+a resume, and while the buffer runs whenever it has grown by more than `compact_bytes` and more
+than its size after the last rewrite; the folder stays proportional to what is in flight.
+
+Durability: records are written unbuffered, so each is in the OS before the buffer answers the
+request that caused it: a killed buffer loses nothing it acknowledged. `fsync` decides what a
+lost machine may lose: `never` (the OS writes back when it likes), `batch` (fsync once per pass
+of the buffer's loop that wrote anything), `record` (fsync after every record), or a number of
+seconds (fsync at most that often). A torn last record (a kill mid-write) is ignored on load.
 """
 
 from __future__ import annotations
@@ -19,11 +30,14 @@ from __future__ import annotations
 import fcntl
 import logging
 import os
+import time
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import msgpack
+
+from buffer.config import fsync_policy
 
 log = logging.getLogger("buffer.store")
 
@@ -38,22 +52,29 @@ class StateLocked(RuntimeError):
 class Restored:
     next_group: int = 0
     next_lease_id: int = 1
-    n_dropped: int = 0
     version: int = 0
     counters: Counter = field(default_factory=Counter)
     open_groups: list[int] = field(default_factory=list)  # issued, neither accepted nor dropped
     groups: dict[int, list[bytes]] = field(default_factory=dict)  # accepted, not served
+    dropped: dict[int, tuple[str, int]] = field(default_factory=dict)  # group id -> (counter, version)
+    served: dict[int, list[int]] = field(default_factory=dict)  # step -> groups (since the last base)
     records: int = 0
     bad_records: int = 0
 
 
 class StateStore:
-    def __init__(self, state_dir: str):
+    def __init__(self, state_dir: str, fsync: str = "never", compact_bytes: int = 64 << 20):
         self.dir = Path(state_dir)
         self.path = self.dir / LOG_NAME
+        self.fsync_every = fsync_policy(fsync)
+        self.compact_bytes = compact_bytes
         self._f = None
         self._lock = None
         self._dirty = False
+        self._last_fsync = time.monotonic()
+        self._base_bytes = 0  # size right after the last rewrite
+        self._size = 0
+        self.compactions = 0
 
     def lock(self) -> None:
         """Hold `state_dir/lock` while this process lives: two buffers appending to one log would corrupt it."""
@@ -69,22 +90,29 @@ class StateStore:
 
     # ---- reading ---------------------------------------------------------------------------
 
-    def load(self) -> Restored:
-        """Replay the log, then rewrite it compacted. A truncated last record (a kill mid-write) is ignored."""
+    @classmethod
+    def read(cls, path: str | Path) -> Restored:
+        """Replay a log without changing it (what `load` and the ledger audit read)."""
         r = Restored()
         open_ids: set[int] = set()
-        with open(self.path, "rb") as f:
+        with open(path, "rb") as f:
             unpacker = msgpack.Unpacker(f, raw=False, max_buffer_size=(1 << 31) - 1, strict_map_key=False)
             try:
                 for rec in unpacker:
                     r.records += 1
-                    if not self._apply(rec, r, open_ids):
+                    if not cls._apply(rec, r, open_ids):
                         r.bad_records += 1
             except (ValueError, msgpack.UnpackException) as e:
-                log.warning("%s: stopped reading at a corrupt record (%s); the rest is ignored", self.path, e)
+                log.warning("%s: stopped reading at a corrupt record (%s); the rest is ignored", path, e)
                 r.bad_records += 1
         r.open_groups = sorted(open_ids)
-        self._compact(r)
+        return r
+
+    def load(self) -> Restored:
+        """Replay the log, then rewrite it compacted. A truncated last record (a kill mid-write) is ignored."""
+        r = self.read(self.path)
+        self._write_base(r.next_group, r.next_lease_id, r.version, r.open_groups, r.dropped, r.counters,
+                         sorted(r.groups.items()))
         return r
 
     @staticmethod
@@ -94,10 +122,12 @@ class StateStore:
         kind, args = rec[0], rec[1:]
         try:
             if kind == "base":
-                r.next_group, r.next_lease_id, r.n_dropped, r.version, ids = args
+                r.next_group, r.next_lease_id, r.version, ids, dropped = args
                 open_ids.clear()
-                open_ids.update(ids)
+                open_ids.update(int(i) for i in ids)
                 r.groups.clear()
+                r.served.clear()
+                r.dropped = {int(g): (str(c), int(v)) for g, c, v in dropped}
             elif kind == "lease":
                 lease_id, ids = args
                 r.next_lease_id = max(r.next_lease_id, lease_id + 1)
@@ -110,13 +140,17 @@ class StateStore:
                 open_ids.discard(gid)
                 r.groups[gid] = [bytes(x) for x in frames]
             elif kind == "served":
-                for gid in args[0]:
+                step, ids = args
+                for gid in ids:
                     r.groups.pop(gid, None)
+                    open_ids.discard(gid)
+                r.served[int(step)] = [int(g) for g in ids]
             elif kind == "dropped":
-                for gid in args[0]:
+                ids, counter, version = args
+                for gid in ids:
                     open_ids.discard(gid)
                     r.groups.pop(gid, None)
-                r.n_dropped += len(args[0])
+                    r.dropped[int(gid)] = (str(counter), int(version))
             elif kind == "version":
                 r.version = max(r.version, args[0])
             elif kind == "counters":
@@ -127,24 +161,61 @@ class StateStore:
             return False
         return True
 
-    def _compact(self, r: Restored) -> None:
+    # ---- rewriting -------------------------------------------------------------------------
+
+    def _write_base(self, next_group: int, next_lease_id: int, version: int, open_ids, dropped: dict,
+                    counters, groups) -> None:
+        """Replace the log by a snapshot, atomically (a kill mid-way leaves the old log)."""
         tmp = self.path.with_suffix(".tmp")
+        self.dir.mkdir(parents=True, exist_ok=True)
         with open(tmp, "wb") as f:
-            f.write(_pack(["base", r.next_group, r.next_lease_id, r.n_dropped, r.version, r.open_groups]))
-            f.write(_pack(["counters", dict(r.counters)]))
-            for gid in sorted(r.groups):
-                f.write(_pack(["group", gid, r.groups[gid]]))
+            f.write(_pack(["base", next_group, next_lease_id, version, list(open_ids),
+                           [[g, c, v] for g, (c, v) in sorted(dropped.items())]]))
+            f.write(_pack(["counters", dict(counters)]))
+            for gid, frames in groups:
+                f.write(_pack(["group", gid, frames]))
+            f.flush()
+            os.fsync(f.fileno())
+        reopen = self._f is not None
+        if reopen:
+            self._f.close()
         os.replace(tmp, self.path)
+        self._base_bytes = self._size = self.path.stat().st_size
+        self.compactions += 1
+        if reopen:
+            self._f = open(self.path, "ab", buffering=0)
+
+    def snapshot(self, state) -> None:
+        """Rewrite the log from a live `BufferState`: what a restart needs, nothing more."""
+        self._write_base(state.next_group, state.next_lease_id, state.version, state.open_groups(),
+                         state.dropped, state.counters,
+                         [(g.group_id, [s.frame for s in g.samples]) for g in sorted(state.ready)])
+
+    def maybe_compact(self, state) -> bool:
+        """Snapshot when the log has grown past `compact_bytes` and past its size after the last rewrite."""
+        grown = self._size - self._base_bytes
+        if grown > self.compact_bytes and grown > self._base_bytes:
+            before = self._size
+            self.snapshot(state)
+            log.info("state log compacted: %.1f MB -> %.1f MB", before / 1e6, self._size / 1e6)
+            return True
+        return False
 
     # ---- writing ---------------------------------------------------------------------------
 
     def open(self) -> None:
         self.dir.mkdir(parents=True, exist_ok=True)
-        self._f = open(self.path, "ab")
+        self._f = open(self.path, "ab", buffering=0)
+        self._size = self._base_bytes = self.path.stat().st_size
 
     def _append(self, rec: list) -> None:
-        self._f.write(_pack(rec))
+        data = _pack(rec)
+        self._f.write(data)  # unbuffered: in the OS before the request that caused it is answered
+        self._size += len(data)
         self._dirty = True
+        if self.fsync_every == 0.0:
+            os.fsync(self._f.fileno())
+            self._dirty = False
 
     def lease(self, lease_id: int, group_ids: list[int]) -> None:
         self._append(["lease", lease_id, group_ids])
@@ -152,11 +223,11 @@ class StateStore:
     def group(self, group_id: int, frames: list[bytes]) -> None:
         self._append(["group", group_id, frames])
 
-    def served(self, group_ids: list[int]) -> None:
-        self._append(["served", group_ids])
+    def served(self, step: int, group_ids: list[int]) -> None:
+        self._append(["served", step, group_ids])
 
-    def dropped(self, group_ids: list[int]) -> None:
-        self._append(["dropped", group_ids])
+    def dropped(self, group_ids: list[int], counter: str, version: int) -> None:
+        self._append(["dropped", group_ids, counter, version])
 
     def version(self, version: int) -> None:
         self._append(["version", version])
@@ -165,13 +236,23 @@ class StateStore:
         self._append(["counters", dict(counters)])
 
     def flush(self) -> None:
-        if self._dirty:
-            self._f.flush()
+        """Once per pass of the buffer's loop: fsync by the policy."""
+        if not self._dirty or self.fsync_every is None:
+            return
+        now = time.monotonic()
+        if self.fsync_every < 0 or now - self._last_fsync >= self.fsync_every:
+            os.fsync(self._f.fileno())
             self._dirty = False
+            self._last_fsync = now
+
+    @property
+    def size(self) -> int:
+        return self._size
 
     def close(self) -> None:
         if self._f is not None:
-            self._f.flush()
+            if self.fsync_every is not None:
+                os.fsync(self._f.fileno())
             self._f.close()
             self._f = None
 

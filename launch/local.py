@@ -6,7 +6,13 @@ gets a progress bar with a one-line status (step, reward, staleness, throughput)
 required role's failure stops every process (whole process groups: no orphans, no leaked ports),
 and the exit code says what failed:
 
-    0 done   2 bad config   3 buffer   4 weight sync   5 learner   6 generators   7 scorers   130 Ctrl-C
+    0 done  2 bad config  3 buffer  4 weight sync  5 learner  6 generators  7 scorers  8 stalled  130 Ctrl-C
+
+What heals by itself: a generator or scorer that dies is started again (`run.max_restarts` each,
+after `run.restart_delay_s`); with `run.auto_resume N`, a learner, buffer or weight-sync crash
+restarts the whole run from its last checkpoint, up to N times. A run that finishes no step for
+`run.stall_timeout_s` stops with exit code 8 and the buffer's account of why. Each such event is
+said on the terminal and in `<run_dir>/logs/launcher.log`.
 
 Another generator can join a running run from a second terminal:
 
@@ -25,7 +31,7 @@ import sys
 import time
 from pathlib import Path
 
-EXIT_CODES = {"config": 2, "buffer": 3, "weight_sync": 4, "learner": 5, "generator": 6, "scorer": 7}
+from launch.recovery import EXIT_CODES, RESUMABLE
 
 
 def role_env(threads: int) -> dict[str, str]:
@@ -112,27 +118,69 @@ def read_metrics(path: Path) -> list[dict]:
     return rows
 
 
+def launcher_log(run_dir: Path):
+    """`say(msg)`: one line on the terminal (above the progress bar) and in logs/launcher.log."""
+    from tqdm import tqdm
+
+    path = run_dir / "logs" / "launcher.log"
+    path.parent.mkdir(parents=True, exist_ok=True)
+
+    def say(msg: str) -> None:
+        tqdm.write(f"launch.local: {msg}", file=sys.stderr)
+        with open(path, "a") as f:
+            f.write(f"{time.strftime('%Y-%m-%d %H:%M:%S')} {msg}\n")
+
+    return say
+
+
 def run_local(run, quiet: bool = False) -> int:
-    """Start every role, wait for the learner to finish, stop everything; returns the exit code."""
+    """Start every role, wait for the learner to finish, stop everything; returns the exit code.
+    With `run.auto_resume`, a crash of a core role starts the whole run again from its checkpoint."""
+    from collections import Counter
+
+    from launch.recovery import with_auto_resume, write_exit
+
+    run_dir = Path(run.run.run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    say = launcher_log(run_dir)
+    started = time.monotonic()
+    restarts: Counter[str] = Counter()
+
+    def on_sigterm(signum, frame):
+        raise KeyboardInterrupt
+
+    old = signal.signal(signal.SIGTERM, on_sigterm)
+    try:
+        code, resumes = with_auto_resume(run, lambda: run_once(run, quiet, say, restarts), say)
+    finally:
+        signal.signal(signal.SIGTERM, old)
+    if code in RESUMABLE:
+        say(f"every role was stopped; to go on from checkpoint {last_checkpoint_name(run_dir)}: the same command "
+            f"with --learner.resume true (or run.auto_resume N to do it by itself)")
+    write_exit(run_dir, code, time.monotonic() - started, resumes=resumes, restarts=sum(restarts.values()))
+    return code
+
+
+def last_checkpoint_name(run_dir: Path) -> str:
+    from launch.recovery import last_checkpoint
+
+    return last_checkpoint(run_dir)
+
+
+def run_once(run, quiet: bool, say, restarts) -> int:
+    """One start of the whole run: every role up, supervised until the learner exits; the exit code."""
     from launch.ports import free_port_block
+    from launch.recovery import ProgressWatch, Stalled, buffer_diagnosis
     from launch.run_config import assign_ports, write_resolved
     from launch.supervisor import RoleFailed, Supervisor
 
     r = run.run
     run_dir = Path(r.run_dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
     assign_ports(run, r.base_port or free_port_block(6))
     config_path = write_resolved(run, run_dir / "config.yaml")
     roles = plan_roles(run, config_path)
     started = time.monotonic()
     status = None
-    interrupted = []
-
-    def on_sigterm(signum, frame):
-        interrupted.append(signum)
-        raise KeyboardInterrupt
-
-    old = signal.signal(signal.SIGTERM, on_sigterm)
     sup = Supervisor(run_dir / "logs")
     try:
         with sup:
@@ -142,36 +190,58 @@ def run_local(run, quiet: bool = False) -> int:
                 sup.start(role)
             learner = sup.start(roles["learner"][0], r.ready_timeout_s)
             print(f"run {run_dir}: {r.mode}, {r.num_generators} generator(s), {r.num_scorers} scorer(s), "
-                  f"{r.learner_ranks} learner rank(s); logs in {run_dir / 'logs'}", file=sys.stderr, flush=True)
+                  f"{r.learner_ranks} learner rank(s){', resumed' if run.learner.resume else ''}; logs in "
+                  f"{run_dir / 'logs'}", file=sys.stderr, flush=True)
             status = None if quiet else Status(run)
+            watch = ProgressWatch(run_dir / "metrics.jsonl", r.stall_timeout_s,
+                                  lambda: buffer_diagnosis(run.buffer.host, run.buffer.port))
+            dead_since: dict[str, float] = {}
+
+            def heal(helpers: list) -> None:
+                """Restart dead generators/scorers; raise once every one of them is gone for good."""
+                now = time.monotonic()
+                for role in helpers:
+                    code = role.returncode
+                    if code is None or code == 0:  # running, or done (the buffer said so)
+                        continue
+                    seen = dead_since.setdefault(role.name, now)
+                    if restarts[role.name] < r.max_restarts and now - seen >= r.restart_delay_s:
+                        restarts[role.name] += 1
+                        say(f"{role.name} exited with code {code}; restart {restarts[role.name]}/{r.max_restarts}")
+                        sup.restart(role, f"launch.local: restart {restarts[role.name]} of {r.max_restarts} "
+                                          f"after exit code {code}")
+                        del dead_since[role.name]
+                gone = [x for x in helpers if x.returncode is not None
+                        and (x.returncode == 0 or restarts[x.name] >= r.max_restarts)]
+                if len(gone) == len(helpers):
+                    kind = helpers[0].name.split("-")[0]
+                    raise RoleFailed(kind, helpers[0].returncode, helpers[0].log_path,
+                                     f"every {kind} has exited (restarts used: "
+                                     f"{', '.join(f'{x.name} {restarts[x.name]}' for x in helpers)})")
 
             def tick():
                 if status:
                     status.tick()
-                helpers = roles["generator"]
-                if all(g.returncode is not None for g in helpers):
-                    raise RoleFailed("generator", helpers[0].returncode, helpers[0].log_path,
-                                     "every generator has exited")
-                if all(s.returncode is not None for s in roles["scorer"]):
-                    raise RoleFailed("scorer", roles["scorer"][0].returncode, roles["scorer"][0].log_path,
-                                     "every scorer has exited")
+                heal(roles["generator"])
+                heal(roles["scorer"])
                 if r.max_wall_s and time.monotonic() - started > r.max_wall_s:
                     raise RoleFailed("learner", None, learner.log_path, f"run exceeded run.max_wall_s={r.max_wall_s}")
+                watch.check()
 
             sup.wait(learner, on_tick=tick)
         code = 0
+    except Stalled as e:
+        say(f"stalled: {e}")
+        code = EXIT_CODES["stalled"]
     except RoleFailed as e:
-        print(f"launch.local: {e}", file=sys.stderr)
-        kind = e.role.split("-")[0]
-        code = EXIT_CODES.get(kind, 1)
+        say(str(e))
+        code = EXIT_CODES.get(e.role.split("-")[0], 1)
     except KeyboardInterrupt:
         print("launch.local: interrupted, stopping every role", file=sys.stderr)
         code = 130
     finally:
-        signal.signal(signal.SIGTERM, old)
         if status:
             status.close()
-    (run_dir / "exit.json").write_text(json.dumps({"code": code, "wall_s": time.monotonic() - started}) + "\n")
     return code
 
 

@@ -52,6 +52,18 @@ class RunConfig:
     """OMP/MKL threads per process (0: leave the libraries' defaults)."""
     ready_timeout_s: float = 600.0
     """How long a role may take to start (vLLM engines and DeepSpeed take tens of seconds on CPU)."""
+    auto_resume: int = 0
+    """After a learner, buffer or weight-sync crash, restart the whole run from its last checkpoint
+    by itself, up to this many times (said on the terminal and in logs/launcher.log); 0: stop with
+    the role's exit code and the command that resumes."""
+    max_restarts: int = 3
+    """launch.local: times each generator or scorer is started again after it dies (launch.ray
+    uses ray.max_restarts)."""
+    restart_delay_s: float = 2.0
+    """Seconds between a generator's or scorer's death and its restart."""
+    stall_timeout_s: float = 1200.0
+    """Stop the run (exit code 8) when the learner finishes no step for this many seconds, and say
+    why (the buffer's diagnosis); 0: never."""
 
     def validate(self) -> None:
         errs = []
@@ -60,6 +72,12 @@ class RunConfig:
                 errs.append(f"run.{name}={getattr(self, name)} must be >= 1")
         if self.base_port and not 1024 <= self.base_port < 65530:
             errs.append(f"run.base_port={self.base_port} must be 0 or in [1024, 65530)")
+        for name in ("auto_resume", "max_restarts"):
+            if getattr(self, name) < 0:
+                errs.append(f"run.{name}={getattr(self, name)} must be >= 0")
+        for name in ("restart_delay_s", "stall_timeout_s"):
+            if getattr(self, name) < 0:
+                errs.append(f"run.{name}={getattr(self, name)} must be >= 0")
         if errs:
             raise ValueError("; ".join(errs))
 

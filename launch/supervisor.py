@@ -63,10 +63,24 @@ class Supervisor:
         role.proc = subprocess.Popen(role.argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                      env=env, start_new_session=True)
         log.close()
-        self.roles.append(role)
+        if role not in self.roles:
+            self.roles.append(role)
         if role.ready_line:
             self.wait_ready(role, ready_timeout_s)
         return role
+
+    def restart(self, role: Role, note: str) -> Role:
+        """Start `role` again (same argv, same log, after a `=== note` line); leftovers of its last
+        run (a vLLM engine core outliving its parent) are killed first."""
+        if role.proc is not None:
+            _signal_group(role.proc, signal.SIGKILL)
+            try:
+                role.proc.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                pass
+        with open(self.log_dir / f"{role.name}.log", "ab") as f:
+            f.write(f"=== {note} ===\n".encode())
+        return self.start(role)
 
     def wait_ready(self, role: Role, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s

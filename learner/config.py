@@ -33,7 +33,11 @@ class LearnerConfig:
     buffer_port: int = 0
     """Buffer control port; 0: the `buffer:` section's port."""
     batch_timeout_s: float = 600.0
-    """How long a rank waits for its share of one step's batch before the run fails."""
+    """How long a rank waits for its share of one step's batch before the run fails (with the
+    buffer's diagnosis of why none came)."""
+    wait_log_s: float = 30.0
+    """While waiting for a batch, log what the buffer reports (admission, generators, scorers)
+    every this many seconds."""
     temperature: float = 1.0
     """Sampling temperature the generators used: log-probs are computed as log_softmax(logits / T)
     so that pi, pi_old and the behaviour mu are comparable."""
@@ -158,6 +162,7 @@ class LearnerConfig:
         need(self.total_steps >= 1, f"learner.total_steps={self.total_steps} must be >= 1")
         need(self.temperature > 0, f"learner.temperature={self.temperature} must be > 0")
         need(self.batch_timeout_s > 0, f"learner.batch_timeout_s={self.batch_timeout_s} must be > 0")
+        need(self.wait_log_s > 0, f"learner.wait_log_s={self.wait_log_s} must be > 0")
         need(0 <= self.buffer_port < 65536, f"learner.buffer_port={self.buffer_port} is not a port")
         need(self.advantage_estimator in ADVANTAGE_ESTIMATORS,
              f"learner.advantage_estimator={self.advantage_estimator!r} is not one of {list(ADVANTAGE_ESTIMATORS)}")

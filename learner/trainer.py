@@ -5,9 +5,15 @@ Step N turns the version-N weights into version N + 1:
   2. the proximal log-probs pi_old (and the critic's old values) are computed with no grad;
   3. the behaviour correction w = pi_old / mu and the advantages are computed once;
   4. ppo_epochs x num_mini_batches optimizer steps, each over gradient_accumulation_steps micro-batches;
-  5. the weights are now version N + 1: rank 0 publishes them (every sync_every steps) and tells
-     the buffer, which admits new leases against it;
-  6. metrics are logged, and a checkpoint saved every save_every steps (and at the end).
+  5. the weights are now version N + 1: rank 0 tells the buffer, which admits new leases against
+     it, and publishes them (every sync_every steps);
+  6. the step's groups go into the ledger (`learner/ledger.py`), metrics are logged, and a
+     checkpoint saved every save_every steps (and at the end).
+
+At start (fresh or resumed from the checkpoint at step N), rank 0 publishes the weights and then
+sends the buffer the resume handshake: step N and the groups its ledger says steps 0..N-1
+trained. The buffer puts itself at that point (everything else it served is issued again), so a
+crash anywhere after the checkpoint costs the steps since it, never a group trained twice.
 
 Losses are normalised over the whole mini-batch of all ranks (token or sequence counts are summed
 over ranks first), so the gradient does not depend on how the batch was split.
@@ -16,6 +22,7 @@ over ranks first), so the gradient does not depend on how the batch was split.
 from __future__ import annotations
 
 import dataclasses
+import json
 import sys
 import time
 from collections import defaultdict
@@ -23,13 +30,14 @@ from collections import defaultdict
 import torch
 import torch.distributed as dist
 
-from buffer.client import BufferClient, BufferDone, BufferError
+from buffer.client import BufferClient, BufferDone, BufferError, ResumeNeeded
 from learner.advantages import (broadcast, gae_advantages, grpo_advantages, reinforce_pp_advantages,
                                 rloo_advantages, token_rewards, whiten)
 from learner.batching import (TrainBatch, buffer_stats, mini_batches, split_evenly, staleness_stats,
                               to_train_batch)
 from learner.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from learner.config import LearnerConfig
+from learner.ledger import Ledger
 from learner.engine import (build_critic_engine, build_policy_engine, init_distributed, iter_full_params,
                             shutdown_distributed)
 from learner.losses import aggregate, behaviour_correction, kl_penalty, policy_loss, value_loss
@@ -65,6 +73,11 @@ def train(cfg: LearnerConfig, source, rank: int, world: int, device: torch.devic
 
     step = 0
     if cfg.resume and (ckpt := latest_checkpoint(cfg.run_dir)) is not None:
+        saved = json.loads((ckpt / "trainer_state.json").read_text())
+        if saved.get("world_size", world) != world and cfg.zero_stage > 0:
+            raise RuntimeError(f"{ckpt} was saved by {saved['world_size']} learner rank(s) with ZeRO-{cfg.zero_stage} "
+                               f"partitions; resume it with run.learner_ranks={saved['world_size']} (only "
+                               f"learner.zero_stage=0 checkpoints load under another number of ranks)")
         step = int(load_checkpoint(ckpt, policy, critic)["step"])
         if rank == 0:
             log(f"resumed from {ckpt} at step {step}")
@@ -77,7 +90,10 @@ def train(cfg: LearnerConfig, source, rank: int, world: int, device: torch.devic
                               timeout_s=min(60.0, cfg.batch_timeout_s))
     writer = None
     sender = None
+    ledger = None
     if rank == 0:
+        ledger = Ledger(cfg.run_dir)
+        ledger.start(step)  # keeps steps 0..step-1: a crashed lineage's later steps are cut off
         writer = MetricsWriter(cfg.run_dir, cfg.tensorboard, cfg.wandb_project, config=dataclasses.asdict(cfg))
         if cfg.weight_sync_port:
             from weight_sync.sender import WeightSender
@@ -89,17 +105,20 @@ def train(cfg: LearnerConfig, source, rank: int, world: int, device: torch.devic
                     timeout_s=cfg.weight_sync_timeout_s))
             else:
                 sender = WeightSender(cfg.weight_sync_host, cfg.weight_sync_port, cfg.weight_sync_timeout_s)
-        tell_version(source, step)
-        print(f"learner ready: {world} rank(s), ZeRO-{cfg.zero_stage}, {cfg.dtype}, {cfg.advantage_estimator}, "
-              f"steps {step}..{cfg.total_steps - 1}", flush=True)
     if step > 0 and cfg.weight_sync_port:
         publish(sender, policy, step, rank)  # generators need the resumed weights before new leases
+    if rank == 0:
+        handshake(source, step, ledger)
+        print(f"learner ready: {world} rank(s), ZeRO-{cfg.zero_stage}, {cfg.dtype}, {cfg.advantage_estimator}, "
+              f"steps {step}..{cfg.total_steps - 1}", flush=True)
+    if world > 1:
+        dist.barrier()  # no rank asks for a batch before the buffer knows where the lineage stands
 
     last: dict[str, float] = {}
     saved_step = step
     while step < cfg.total_steps:
         t0 = time.monotonic()
-        batch = fetch_batch(source, step, rank, world, cfg, device)
+        batch = fetch_batch(source, step, rank, world, cfg, device, ledger)
         if batch is None:
             if rank == 0:
                 log(f"buffer is done at step {step}")
@@ -112,15 +131,20 @@ def train(cfg: LearnerConfig, source, rank: int, world: int, device: torch.devic
         t_train = time.monotonic() - t1
         trained_step, step = step, step + 1  # the weights are now version `step`
 
+        groups = step_group_ids(batch, world, device)
+        if rank == 0:
+            ledger.append(trained_step, groups)
+            # before the publish: a generator holding version `step` must find the buffer there already
+            tell_version(source, step)
         t2 = time.monotonic()
         if cfg.weight_sync_port and step % cfg.sync_every == 0:
             publish(sender, policy, step, rank)
         t_publish = time.monotonic() - t2
-        if rank == 0:
-            tell_version(source, step)
 
         t3 = time.monotonic()
         if cfg.save_every and step % cfg.save_every == 0:
+            if ledger is not None:
+                ledger.sync()
             save_checkpoint(cfg.run_dir, step, policy, critic, cfg.model_path, keep=cfg.keep_checkpoints)
             saved_step = step
         t_save = time.monotonic() - t3
@@ -140,7 +164,11 @@ def train(cfg: LearnerConfig, source, rank: int, world: int, device: torch.devic
         last = metrics
 
     if step > start_step and saved_step != step:
+        if ledger is not None:
+            ledger.sync()
         save_checkpoint(cfg.run_dir, step, policy, critic, cfg.model_path, keep=cfg.keep_checkpoints)
+    if ledger is not None:
+        ledger.close()
     if writer is not None:
         writer.close()
     if sender is not None:
@@ -346,11 +374,34 @@ def reduce_across_ranks(metrics: dict[str, float], device: torch.device) -> dict
     return out
 
 
-def fetch_batch(source, step: int, rank: int, world: int, cfg: LearnerConfig, device: torch.device):
-    """This rank's share of step `step`, or None when the buffer is done. All ranks agree on which."""
+def fetch_batch(source, step: int, rank: int, world: int, cfg: LearnerConfig, device: torch.device,
+                ledger: Ledger | None = None):
+    """This rank's share of step `step`, or None when the buffer is done. All ranks agree on which.
+
+    While it waits, the buffer's diagnosis (admission, generators, scorers) is logged every
+    `wait_log_s`; after `batch_timeout_s` the run fails with it. A buffer that restarted from disk
+    asks for the resume handshake again: rank 0 gives it (the lineage is the one in memory).
+    """
+    def on_wait(waited_s: float, reason: str) -> None:
+        log(f"rank {rank} waiting {waited_s:.0f}s for step {step}'s batch: {reason}")
+
     batch, code, why = None, 0, ""  # -1: failed, 0: done, 1: unusable share, 2: fine
+    deadline = time.monotonic() + cfg.batch_timeout_s
     try:
-        batch = source.get_batch(step, rank, world, timeout_s=cfg.batch_timeout_s)
+        while True:
+            try:
+                kw = {"on_wait": on_wait, "report_every_s": cfg.wait_log_s} if isinstance(source, BufferClient) else {}
+                batch = source.get_batch(step, rank, world, timeout_s=max(1.0, deadline - time.monotonic()), **kw)
+                break
+            except ResumeNeeded:
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"the buffer kept asking for the resume handshake for "
+                                       f"{cfg.batch_timeout_s:.0f}s") from None
+                if rank == 0:
+                    log(f"the buffer restarted from disk: resume handshake again at step {step}")
+                    handshake(source, step, ledger)
+                else:
+                    time.sleep(0.5)
         need = cfg.num_mini_batches * cfg.gradient_accumulation_steps
         code = 2 if len(batch.scored) >= need else 1
     except BufferDone:
@@ -381,6 +432,33 @@ def publish(sender, policy, version: int, rank: int) -> None:
             log(f"weight sync of version {version}: error {stats.get('error')!r}, failed {stats.get('failed')}")
     for _ in params:  # other ranks (and rank 0, if the sender stopped early) finish the gathers
         pass
+
+
+def step_group_ids(batch, world: int, device: torch.device) -> list[int]:
+    """The prompt groups of the whole step (every rank's share), for the ledger; collective."""
+    mine = sorted({s.rollout.group_id for s in batch.scored})
+    if world == 1:
+        return mine
+    counts = [torch.zeros(1, dtype=torch.int64, device=device) for _ in range(world)]
+    dist.all_gather(counts, torch.tensor([len(mine)], dtype=torch.int64, device=device))
+    width = int(max(c.item() for c in counts))
+    padded = torch.full((width,), -1, dtype=torch.int64, device=device)
+    padded[: len(mine)] = torch.tensor(mine, dtype=torch.int64)
+    gathered = [torch.empty_like(padded) for _ in range(world)]
+    dist.all_gather(gathered, padded)  # (world, width), -1 past each share's end
+    return sorted(int(g) for t in gathered for g in t.tolist() if g >= 0)
+
+
+def handshake(source, step: int, ledger: Ledger | None) -> None:
+    """Tell the buffer where this lineage stands: step `step`, the groups of steps 0..step-1."""
+    resume = getattr(source, "resume", None)
+    if resume is None:  # a stand-in source (tests) keeps no state across restarts: the version will do
+        tell_version(source, step)
+        return
+    trained = ledger.trained() if ledger is not None else []
+    resume(step, trained)
+    if step:
+        log(f"buffer told: resuming at step {step} with {len(trained)} groups trained")
 
 
 def tell_version(source, version: int) -> None:

@@ -251,11 +251,14 @@ def test_state_log_restores_unserved_groups_and_counters(tmp_path):
     assert saved.next_group == 5 and saved.version == 1 and saved.next_lease_id == g.lease_id + 1
     assert sorted(saved.groups) == [1, 2] and saved.groups[1] == [b"1/0", b"1/1"]
     assert saved.open_groups == [3]  # leased, never answered: to be issued again
-    assert saved.counters["accepted_groups"] == 3 and saved.n_dropped == 1
+    assert saved.counters["accepted_groups"] == 3 and saved.dropped == {4: ("failed_groups", 0)}
+    assert saved.served == {0: [0]}
 
     s2 = make_state(tmp_path, prompts_per_step=1, max_staleness=5)
     s2.restore(saved, {gid: [Sample(f, 0, 1.0) for f in frames] for gid, frames in saved.groups.items()})
     assert [x.group_id for x in sorted(s2.ready)] == [1, 2] and s2.k_live == 4
+    assert isinstance(s2.lease("w", 2, now=0.0), Wait)  # nothing leased before the learner's handshake
+    s2.resume(1, {0})  # the learner's checkpoint at step 1 trained group 0
     g2 = s2.lease("w", 2, now=0.0)
     assert [x.group_id for x in g2.groups] == [3, 5]  # 3 again, then fresh ids: no id issued twice
     # the log was compacted on load and still restores the same

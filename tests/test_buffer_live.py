@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 import zmq
 
-from buffer.client import BufferClient, BufferDone, BufferError
+from buffer.client import BufferClient, BufferDone, BufferError, ResumeNeeded
 from buffer.protocol import (
     Ack,
     BatchRequest,
@@ -273,7 +273,8 @@ def test_stale_groups_are_dropped_not_served(tmp_path):
             # the learner is at step 3 already: tokens of version 0 are 3 versions old (> 1)
             c.set_version(3)
             answer(c, old, [2, 3], version=0)  # too old on arrival
-            fresh = c.lease("gen", 8)
+            assert isinstance(c.lease("gen", 8), Wait)  # weights v0 could only give stale rollouts
+            fresh = c.lease("gen", 8, version=3)
             assert fresh.version == 3
             answer(c, fresh, [g.group_id for g in fresh.groups[:2]])
             batch = c.get_batch(3, timeout_s=5)
@@ -324,13 +325,13 @@ def test_failed_sample_drops_the_group_and_the_run_goes_on(tmp_path):
             # and on to the end of the data
             assert isinstance(c.lease("gen", 2), Wait)  # 2 live at version 0
             c.request(BatchRequest(1))  # the learner reaches step 1: a step's worth more
-            answer(c, c.lease("gen", 2))
+            answer(c, c.lease("gen", 2, version=1))
             assert group_ids(c.get_batch(1, timeout_s=5)) == [3, 4]
             c.request(BatchRequest(2))
-            last = c.lease("gen", 2)
+            last = c.lease("gen", 2, version=2)
             assert [x.group_id for x in last.groups] == [5]  # 6 prompts, 1 epoch
             answer(c, last)
-            final = c.lease("gen", 2)
+            final = c.lease("gen", 2, version=2)
             assert isinstance(final, Wait) and final.done
             with pytest.raises(BufferDone):
                 c.get_batch(2, timeout_s=5)  # group 5 alone cannot make a step of 2
@@ -349,7 +350,7 @@ def test_sigterm_writes_state_and_a_restart_resumes(tmp_path):
         answer(c, g)
         assert group_ids(c.get_batch(0, timeout_s=5)) == [0, 1]
         c.set_version(1)  # the learner finished step 0
-        g2 = c.lease("gen", 2)  # groups 2, 3
+        g2 = c.lease("gen", 2, version=1)  # groups 2, 3
         assert [x.group_id for x in g2.groups] == [2, 3]
         answer(c, g2, [2])  # group 3 stays leased when the buffer stops
         kept = c.metrics()
@@ -366,15 +367,19 @@ def test_sigterm_writes_state_and_a_restart_resumes(tmp_path):
             m = c.metrics()
             assert m["buffer/queued_groups"] == 1 and m["buffer/issued_groups"] == 4
             assert m["buffer/accepted_groups"] == kept["buffer/accepted_groups"] == 3
-            assert m["buffer/version"] == 1
-            again = c.lease("gen", 5)
+            assert m["buffer/version"] == 1 and m["buffer/awaiting_resume"] == 1
+            assert isinstance(c.lease("gen", 5), Wait)  # nothing leased before the learner's handshake
+            with pytest.raises(ResumeNeeded):
+                c.get_batch(1, timeout_s=5)
+            c.resume(1, [0, 1])  # the learner resumes at step 1, whose lineage trained groups 0 and 1
+            again = c.lease("gen", 5, version=1)
             assert [x.group_id for x in again.groups] == [3]  # the unanswered group, not a repeat of 0..2
             answer(c, again)
             batch = c.get_batch(1, timeout_s=5)
             assert group_ids(batch) == [2, 3]
             assert [s.reward for s in batch.scored] == [2.0, 2.0, 3.0, 3.0]  # group 2's bytes survived
             c.set_version(2)
-            assert [x.group_id for x in c.lease("gen", 5).groups] == [4, 5]
+            assert [x.group_id for x in c.lease("gen", 5, version=2).groups] == [4, 5]
     finally:
         assert b2.stop() == 0
 

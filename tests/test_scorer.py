@@ -1,4 +1,5 @@
-"""Scorers: reward function, reward model, remote reward, reference log-probs, and failures.
+"""Scorers: reward function, reward model, remote reward, reference log-probs, and failures (a reward
+function that raises, hangs past its timeout or kills its worker process).
 
 Unit tests call `Scorer.score` directly; the last test runs `python -m launch.scorer` between a real
 buffer and rollouts pushed by the test.
@@ -97,6 +98,103 @@ def test_bad_reward_fn_marks_samples_failed_and_scorer_keeps_going(tmp_path, kin
     again = scorer.score([make_rollout("q", "ok", "x")])
     assert again[0].failed is (kind in ("short", "strings"))  # those two fail on any input
 
+
+
+def gone(pid: int, within_s: float = 5.0) -> bool:
+    """Whether process `pid` has exited (a zombie counts: it runs nothing) within `within_s`."""
+    deadline = time.monotonic() + within_s
+    while time.monotonic() < deadline:
+        try:
+            if Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z":
+                return True
+        except (FileNotFoundError, ProcessLookupError):
+            return True
+        time.sleep(0.05)
+    return False
+
+
+# sleeps "forever" on a completion "hang", raises on "boom", else reward = len(completion)
+HANGS = ("import time\n"
+         "def reward_fn(p, c, l):\n"
+         "    if 'boom' in c:\n        raise RuntimeError('kaboom')\n"
+         "    if 'hang' in c:\n        time.sleep(3600)\n"
+         "    return [float(len(x)) for x in c]\n")
+
+
+def test_hanging_reward_fn_times_out_and_a_fresh_worker_takes_the_next_call(tmp_path):
+    path = tmp_path / "hangs.py"
+    path.write_text(HANGS)
+    scorer = Scorer(ScorerConfig(kinds=["reward_fn"], reward_fn=str(path), reward_fn_timeout_s=1.0))
+    try:
+        first_worker = scorer.reward_fn.proc.pid
+        t0 = time.monotonic()
+        out = scorer.score([make_rollout("q", "ok", None, sample_index=i) if i != 1 else
+                            make_rollout("q", "hang", None, sample_index=1) for i in range(3)])
+        took = time.monotonic() - t0
+        assert took < 5.0, f"a 1 s timeout took {took:.1f}s"
+        assert all(s.failed for s in out)  # the batch fails: no sample-by-sample retry after a timeout
+        timed_out = "reward_fn: reward_fn did not return within 1s (worker killed)"
+        assert all(s.error == timed_out for s in out), out[0].error
+        assert scorer.timeouts == 1 and scorer.crashes == 0 and scorer.failures["reward_fn"] == 3
+        assert gone(first_worker), "the timed-out worker is still running"
+
+        again = scorer.score([make_rollout("q", "ab", None), make_rollout("q", "abc", None, sample_index=1)])
+        assert [(s.failed, s.reward) for s in again] == [(False, 2.0), (False, 3.0)]
+        assert scorer.reward_fn.proc.pid != first_worker
+
+        # A raise sends the scorer sample by sample; the first timeout there ends the search, so the
+        # samples after it fail with it untried (else each "hang" would cost another second).
+        out = scorer.score([make_rollout("q", c, None, sample_index=i)
+                            for i, c in enumerate(["boom", "hang", "hang", "ok"])])
+        assert [s.error for s in out] == ["reward_fn: reward_fn raised RuntimeError: kaboom"] + [timed_out] * 3
+        assert scorer.timeouts == 2
+    finally:
+        scorer.close()
+
+
+@pytest.mark.parametrize("how,why", [("os._exit(3)", "reward_fn worker died (exit code 3)"),
+                                     ("ctypes.string_at(0)", "reward_fn worker died (killed by signal 11")])
+def test_reward_fn_worker_that_dies_fails_the_call_and_is_restarted(tmp_path, how, why):
+    path = tmp_path / "dies.py"
+    path.write_text(f"import ctypes, os\ndef reward_fn(p, c, l):\n    if 'die' in c:\n        {how}\n"
+                    "    return [1.0] * len(c)\n")
+    scorer = Scorer(ScorerConfig(kinds=["reward_fn"], reward_fn=str(path)))
+    try:
+        out = scorer.score([make_rollout("q", "ok", None), make_rollout("q", "die", None, sample_index=1)])
+        assert all(s.failed and s.error.startswith(f"reward_fn: {why}") for s in out), out[0].error
+        assert scorer.crashes == 1 and scorer.timeouts == 0
+        again = scorer.score([make_rollout("q", "ok", None)])
+        assert not again[0].failed and again[0].reward == 1.0
+    finally:
+        scorer.close()
+
+
+def test_close_stops_the_worker_and_what_it_started(tmp_path):
+    pid_file = tmp_path / "child.pid"
+    path = tmp_path / "spawner.py"  # leaves a child process running, as a sandboxed code runner might
+    path.write_text("import subprocess\n"
+                    "def reward_fn(p, c, l):\n"
+                    f"    open({str(pid_file)!r}, 'w').write(str(subprocess.Popen(['sleep', '600']).pid))\n"
+                    "    return [1.0] * len(c)\n")
+    scorer = Scorer(ScorerConfig(kinds=["reward_fn"], reward_fn=str(path)))
+    worker = scorer.reward_fn.proc.pid
+    assert scorer.score([make_rollout("q", "ok", None)])[0].reward == 1.0
+    child = int(pid_file.read_text())
+    assert not gone(child, within_s=0.2)
+    scorer.close()
+    assert gone(worker) and gone(child), "close() left a process behind"
+    scorer.close()  # a second close is harmless
+
+
+def test_reward_fn_file_errors_raise_at_start(tmp_path):
+    with pytest.raises(FileNotFoundError, match="no_such.py"):
+        Scorer(ScorerConfig(kinds=["reward_fn"], reward_fn=str(tmp_path / "no_such.py")))
+    (tmp_path / "empty.py").write_text("x = 1\n")
+    with pytest.raises(AttributeError, match=r"empty\.py.*defines no callable `reward_fn`"):
+        Scorer(ScorerConfig(kinds=["reward_fn"], reward_fn=str(tmp_path / "empty.py")))
+    (tmp_path / "broken.py").write_text("import no_such_module_here\n")
+    with pytest.raises(ImportError, match=r"broken\.py.*ModuleNotFoundError"):
+        Scorer(ScorerConfig(kinds=["reward_fn"], reward_fn=str(tmp_path / "broken.py")))
 
 def test_reward_model_last_token_score_batched(tmp_path, tiny_model_dir):
     from transformers import AutoConfig, AutoTokenizer, LlamaForSequenceClassification
@@ -297,6 +395,8 @@ def test_scorer_config_errors_quote_the_values():
 
     with pytest.raises(ConfigError) as e:
         load_section(ScorerConfig, "scorer", None, ["--scorer.kinds", "reward_fn,remote,judge",
-                                                    "--scorer.remote_url", "ftp://x"])
+                                                    "--scorer.remote_url", "ftp://x",
+                                                    "--scorer.reward_fn_timeout_s", "0"])
     msg = str(e.value)
     assert "unknown ['judge']" in msg and "scorer.reward_fn is empty" in msg and "'ftp://x'" in msg
+    assert "scorer.reward_fn_timeout_s=0.0 must be > 0" in msg
