@@ -177,6 +177,7 @@ class Lease:
     worker_id: str
     group_ids: set[int]  # still pending under this lease
     expires_at: float
+    renewed_at: float = 0.0  # granted or last renewed
 
 
 @dataclass
@@ -238,6 +239,10 @@ def describe_wait(m: dict[str, float]) -> str:
     parts.append(f"groups: {m['buffer/queued_groups']:.0f} queued of {m['buffer/prompts_per_step']:.0f} per "
                  f"step, {m['buffer/leased_groups']:.0f} leased ({m['buffer/partial_groups']:.0f} partly "
                  f"scored), {m['buffer/requeued_groups']:.0f} to issue again")
+    quiet = m.get("buffer/quietest_lease_s", -1.0)
+    if quiet > 0.5 * m.get("buffer/lease_ttl_s", 60.0):  # generators renew every third of the ttl
+        parts.append(f"a lease has not been renewed for {quiet:.0f}s (its generator may be stuck; it expires "
+                     f"after buffer.lease_ttl_s)")
     scored = m.get("buffer/since_scored_s", -1.0)
     if m["buffer/leased_groups"] and (scored < 0 or scored > QUIET_S):
         parts.append("no scored rollout has arrived yet" if scored < 0 else
@@ -330,7 +335,7 @@ class BufferState:
         self.next_lease_id += 1
         for gid in group_ids:
             self.pending[gid] = PendingGroup(gid, lease_id, self.version)
-        self.leases[lease_id] = Lease(lease_id, worker_id, set(group_ids), now + self.cfg.lease_ttl_s)
+        self.leases[lease_id] = Lease(lease_id, worker_id, set(group_ids), now + self.cfg.lease_ttl_s, now)
         self.counters["leases"] += 1
         if self.store:
             self.store.lease(lease_id, group_ids)
@@ -346,6 +351,7 @@ class BufferState:
         if lease is None:
             raise RequestError("lease_renew.lease_id", f"lease {lease_id} is not active (expired, answered or unknown)")
         lease.expires_at = now + self.cfg.lease_ttl_s
+        lease.renewed_at = now
 
     def expire(self, now: float) -> list[int]:
         """Put the groups of expired leases back at the front of the queue; returns them."""
@@ -580,10 +586,12 @@ class BufferState:
                                                       self.cfg.prompts_per_step),
             "buffer/total_groups": self.order.total,
             "buffer/prompts_per_step": self.cfg.prompts_per_step,
+            "buffer/lease_ttl_s": self.cfg.lease_ttl_s,
             "buffer/staleness_mean": self.last_staleness_mean,
             "buffer/awaiting_resume": float(self.awaiting_resume),
             "buffer/since_lease_request_s": since(self.last_lease_request),
             "buffer/since_scored_s": since(self.last_scored),
+            "buffer/quietest_lease_s": max((since(x.renewed_at) for x in self.leases.values()), default=-1.0),
             "buffer/refused_old_weights_recent": float(0 <= since(self.last_old_weights) < QUIET_S),
             "buffer/dropped_groups": self.n_dropped,
         }

@@ -81,15 +81,18 @@ class Status:
         self.metrics_path = Path(run.run.run_dir) / "metrics.jsonl"
         self.total = run.learner.total_steps
         self.bar = tqdm(total=self.total, desc="steps", unit="step", dynamic_ncols=True, file=sys.stderr)
-        self.seen = 0
+        self.seen = 0  # steps shown as done
+        self.rows = 0
         self.t0 = time.monotonic()
         self.last: dict = {}
 
     def tick(self) -> None:
         rows = read_metrics(self.metrics_path)
-        if len(rows) > self.seen:
-            self.bar.update(len(rows) - self.seen)
-            self.seen = len(rows)
+        done = max((int(r.get("step", -1)) for r in rows), default=-1) + 1  # a resumed run redoes steps
+        if len(rows) != self.rows:
+            self.rows = len(rows)
+            self.bar.update(done - self.seen)
+            self.seen = done
             m = self.last = rows[-1]
 
             def num(key: str, default: float = float("nan")) -> float:
@@ -194,7 +197,8 @@ def run_once(run, quiet: bool, say, restarts) -> int:
                   f"{run_dir / 'logs'}", file=sys.stderr, flush=True)
             status = None if quiet else Status(run)
             watch = ProgressWatch(run_dir / "metrics.jsonl", r.stall_timeout_s,
-                                  lambda: buffer_diagnosis(run.buffer.host, run.buffer.port))
+                                  lambda: buffer_diagnosis(run.buffer.host, run.buffer.port),
+                                  first_grace_s=r.ready_timeout_s)
             dead_since: dict[str, float] = {}
 
             def heal(helpers: list) -> None:

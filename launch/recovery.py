@@ -37,12 +37,14 @@ def buffer_diagnosis(host: str, port: int, timeout_s: float = 5.0) -> str:
 
 
 class ProgressWatch:
-    """Raises `Stalled` from `check` once `path` has not grown for `timeout_s` (0: never)."""
+    """Raises `Stalled` from `check` once `path` has not grown for `timeout_s` (0: never). Before it
+    first grows, `first_grace_s` more are allowed: the first step waits for every engine to start."""
 
-    def __init__(self, path: Path, timeout_s: float, diagnose: Callable[[], str]):
+    def __init__(self, path: Path, timeout_s: float, diagnose: Callable[[], str], first_grace_s: float = 0.0):
         self.path, self.timeout_s, self.diagnose = Path(path), timeout_s, diagnose
         self.size = self._size()
         self.since = time.monotonic()
+        self.grace_s = first_grace_s
 
     def _size(self) -> int:
         try:
@@ -53,9 +55,9 @@ class ProgressWatch:
     def check(self) -> None:
         size, now = self._size(), time.monotonic()
         if size != self.size:
-            self.size, self.since = size, now
+            self.size, self.since, self.grace_s = size, now, 0.0
             return
-        if self.timeout_s and now - self.since > self.timeout_s:
+        if self.timeout_s and now - self.since > self.timeout_s + self.grace_s:
             raise Stalled(f"no learner step for {now - self.since:.0f}s (run.stall_timeout_s={self.timeout_s:g}); "
                           + self.diagnose())
 
