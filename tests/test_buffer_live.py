@@ -413,3 +413,34 @@ def test_config_and_prompt_errors_exit_2_with_a_clear_message(tmp_path):
     r = run_launcher("-m", "launch.buffer", "--buffer.prompts", str(write_prompts(tmp_path / "p.jsonl", 2)),
                      "--buffer.state_dir", str(tmp_path / "nothing-here"), "--resume")
     assert r.returncode == 2 and "no saved buffer state" in r.stderr
+
+
+def test_state_folder_size_does_not_grow_with_the_run(tmp_path):
+    # 4 groups of 2 rollouts (~300 tokens each) per step, lockstep; the log is compacted whenever it
+    # has grown by 0.05 MB. The folder's largest size over steps 15..30 and over steps 285..300 (10x
+    # further into the run) stay within 1.5x of each other: it follows what is in flight.
+    state = tmp_path / "state"
+    b = start_buffer(tmp_path, n_prompts=2000, prompts_per_step=4, n_samples_per_prompt=2, max_staleness=0,
+                     state_dir=str(state), compact_mb=0.05, log_level="info")
+
+    def folder_bytes() -> int:
+        return sum(p.stat().st_size for p in state.iterdir() if p.is_file())
+
+    sizes = {}
+    try:
+        with b.client() as c:
+            for step in range(300):
+                g = c.lease("gen", 4, version=step)
+                c.submit_scored([scored(x.group_id, i, g.lease_id, step, t=300) for x in g.groups for i in range(2)])
+                c.get_batch(step, timeout_s=5)
+                c.set_version(step + 1)
+                sizes[step] = folder_bytes()
+            m = c.metrics()
+    finally:
+        assert b.stop() == 0
+    early = max(sizes[s] for s in range(15, 30))
+    late = max(sizes[s] for s in range(285, 300))
+    assert m["buffer/served_groups"] == 1200
+    assert late <= 1.5 * early, (early, late)
+    assert sizes[299] < 4 * 0.05e6  # and about the threshold, not 300 steps of rollouts (~6 MB)
+    print(f"state folder: max {early} bytes over steps 15-30, {late} over steps 285-300")
