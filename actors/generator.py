@@ -345,6 +345,7 @@ def run_generator(cfg: GeneratorConfig, stop: threading.Event | None = None) -> 
     patience = _Patience(cfg.buffer_patience_s)
     counts, last = Counters(), Counters()
     t_log = time.monotonic()
+    waiting_since, next_wait_log = None, cfg.log_every_s  # how long the buffer has answered Wait
     code = 0
     try:
         if cfg.weight_sync_port:
@@ -360,8 +361,13 @@ def run_generator(cfg: GeneratorConfig, stop: threading.Event | None = None) -> 
                 if reply.done:
                     log.info("buffer is done (%s)", reply.reason)
                     break
+                waiting_since = waiting_since or time.monotonic()
+                if time.monotonic() - waiting_since >= next_wait_log:
+                    log.info("no lease for %.0fs: %s", time.monotonic() - waiting_since, reply.reason)
+                    next_wait_log += cfg.log_every_s
                 stop.wait(reply.retry_after_s)
                 continue
+            waiting_since, next_wait_log = None, cfg.log_every_s
             counts.leases += 1
             log.info("lease %d: %d groups x %d samples (v%d)", reply.lease_id, len(reply.groups),
                      reply.n_samples, engine.version)

@@ -119,6 +119,9 @@ class LearnerConfig:
     """Recompute activations in backward (HF gradient checkpointing) to save memory."""
     dist_backend: Literal["auto", "gloo", "nccl"] = "auto"
     """torch.distributed backend; auto: NCCL when CUDA is available, else gloo."""
+    dist_timeout_s: float = 1800.0
+    """Bound on the ranks' rendezvous and on every collective (a rank that died or never came):
+    past it the learner fails with the operation named. Keep it above batch_timeout_s."""
 
     # ---- critic (PPO with GAE) ----------------------------------------------------------------
     critic_path: str = ""
@@ -163,6 +166,9 @@ class LearnerConfig:
         need(self.temperature > 0, f"learner.temperature={self.temperature} must be > 0")
         need(self.batch_timeout_s > 0, f"learner.batch_timeout_s={self.batch_timeout_s} must be > 0")
         need(self.wait_log_s > 0, f"learner.wait_log_s={self.wait_log_s} must be > 0")
+        need(self.dist_timeout_s > self.batch_timeout_s,
+             f"learner.dist_timeout_s={self.dist_timeout_s} must be > batch_timeout_s={self.batch_timeout_s} "
+             f"(ranks wait for their batches between collectives)")
         need(0 <= self.buffer_port < 65536, f"learner.buffer_port={self.buffer_port} is not a port")
         need(self.advantage_estimator in ADVANTAGE_ESTIMATORS,
              f"learner.advantage_estimator={self.advantage_estimator!r} is not one of {list(ADVANTAGE_ESTIMATORS)}")

@@ -12,6 +12,7 @@ fine for models that fit in each rank's host memory.
 
 from __future__ import annotations
 
+import datetime
 import math
 import os
 from typing import Iterator
@@ -47,7 +48,8 @@ def init_distributed(cfg: LearnerConfig) -> tuple[int, int, torch.device]:
     if dist.is_initialized() and dist.get_world_size() == 1 and "LOCAL_RANK" not in os.environ:
         os.environ["LOCAL_RANK"] = "0"  # deepspeed.initialize asserts it is set
         _SET_LOCAL_RANK[0] = True
-    deepspeed.init_distributed(dist_backend=backend)
+    # bounds the rendezvous (a rank that never comes) and every collective: past it, an error names the op
+    deepspeed.init_distributed(dist_backend=backend, timeout=datetime.timedelta(seconds=cfg.dist_timeout_s))
     device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
     return dist.get_rank(), dist.get_world_size(), device
 
