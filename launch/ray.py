@@ -18,28 +18,35 @@ each process reserves (`--ray.generator.num_gpus 1`) and how a role's processes 
   (MASTER_ADDR/MASTER_PORT of rank 0's node, RANK, WORLD_SIZE, LOCAL_RANK).
 - A generator or scorer that dies is started again (`ray.max_restarts` times each; its leases expire
   and the buffer issues them again). A learner rank, the buffer or the weight-sync service dying
-  stops the run; go on from the last checkpoint with `--learner.resume true`.
+  stops the run; with `run.auto_resume N` the whole run is then started again by itself from the
+  last checkpoint (every actor and placement group of the job is freed first, the cluster stays;
+  addresses are discovered again), up to N times; without, go on from it with
+  `--learner.resume true`. A run past `run.max_wall_s` (counted from its first start) is not resumed.
+- A run whose learner finishes no step for `run.stall_timeout_s` (learner rank 0's metrics.jsonl
+  stops growing) stops with exit code 8 and the buffer's account of why no batch comes; it is not
+  resumed. Ctrl-C, SIGTERM and `launch.ray stop` are never resumed either (130).
 - `scale` changes the number of generators of the running run (a new one catches up with the
   current weights before its first lease); `status` prints roles, nodes, restarts, step and reward.
 
-Logs: `<run_dir>/logs/<role>.log` on the role's node. Exit codes as `launch.local`:
-0 done, 2 bad config or resources the cluster cannot give, 3 buffer, 4 weight sync, 5 learner,
-6 generators, 7 scorers, 130 interrupted.
+Logs: `<run_dir>/logs/<role>.log` on the role's node; what the driver says (roles placed, restarts,
+resumes, a stall) also goes to `<run_dir>/logs/launcher.log` on the driver's node, and
+`<run_dir>/exit.json` gets the exit code with the counts of resumes and generator/scorer restarts.
+Exit codes as `launch.local`: 0 done, 2 bad config or resources the cluster cannot give, 3 buffer,
+4 weight sync, 5 learner, 6 generators, 7 scorers, 8 stalled, 130 interrupted.
 """
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
-from launch.local import EXIT_CODES
 from launch.ray_config import ResourceError, check_resources, fmt_res, load, resolved_text, tie_addresses
+from launch.recovery import EXIT_CODES, RESUMABLE, Stalled
 
 ROOT = Path(__file__).resolve().parents[1]
 PYTHON = "{python}"  # replaced by the interpreter of the role's actor on its node
@@ -47,9 +54,21 @@ READY = {"buffer": "buffer ready", "weight_sync": "weight-sync service on"}
 
 
 class RunFailed(RuntimeError):
-    def __init__(self, kind: str, message: str):
+    """A role the run cannot go on without failed; `kind` gives the exit code (EXIT_CODES). Not
+    `resumable`: starting the run again would not help (run.max_wall_s is spent)."""
+
+    def __init__(self, kind: str, message: str, resumable: bool = True):
         super().__init__(message)
         self.kind = kind
+        self.resumable = resumable
+
+
+class FinalExit(Exception):
+    """An attempt's exit code that must end the run even where `run.auto_resume` would start it again."""
+
+    def __init__(self, code: int):
+        super().__init__(code)
+        self.code = code
 
 
 # --------------------------------------------------------------------------------------------
@@ -111,20 +130,28 @@ class Proc:
 class RayRun:
     """Places the roles, starts them in order, supervises them, scales the generators, stops all."""
 
-    def __init__(self, rcfg, run, quiet: bool = False):
+    def __init__(self, rcfg, run, quiet: bool = False, say: Callable[[str], None] | None = None, attempt: int = 1,
+                 t0: float | None = None):
         import ray
 
         self.ray = ray
         self.rcfg, self.run, self.quiet = rcfg, run, quiet
+        self.say = say or (lambda msg: print(f"launch.ray: {msg}", file=sys.stderr, flush=True))
+        self.attempt = attempt  # 1 + the resumes before it (run.auto_resume)
         self.run_dir = Path(run.run.run_dir)
         self.procs: list[Proc] = []
         self.groups: list[Group] = []
         self.controller = None
+        self.actor_names: list[str] = []  # every named actor of this attempt, the controller included
         self.next_generator = 0
         self.placed = 0  # placement groups made so far (their names must differ)
         self.status = None
+        # learner rank 0's metrics.jsonl (maybe on another node) copied here: its growth is the
+        # learner's progress. Each attempt copies it from the start, so an earlier copy goes.
+        self.mirror = self.run_dir / "ray" / "metrics.jsonl"
+        self.mirror.unlink(missing_ok=True)
         self.metrics_offset = 0
-        self.t0 = time.monotonic()
+        self.t0 = time.monotonic() if t0 is None else t0  # run.max_wall_s counts from the run's first start
         from launch.local import role_env
         from launch.ray_roles import RoleProcess, RunControl
 
@@ -151,7 +178,8 @@ class RayRun:
     def place(self, role: str, bundles: list[dict], strategy: str, timeout_s: float, keep: bool = True) -> Group:
         from ray.util.placement_group import placement_group, remove_placement_group
 
-        pg = placement_group(bundles, strategy=strategy, name=f"{self.run_name}/{role}-{self.placed}")
+        # the attempt in the name: the last attempt's groups may still be going away
+        pg = placement_group(bundles, strategy=strategy, name=f"{self.run_name}/{role}-{self.attempt}.{self.placed}")
         self.placed += 1
         if not pg.wait(timeout_s):
             remove_placement_group(pg)
@@ -193,6 +221,7 @@ class RayRun:
         # named, so `ray.get_actor("<run>:<role>:<n>", namespace=...)` finds it (n: actors it had before)
         opts["name"] = f"{self.run_name}:{proc.name}:{proc.actors}"
         opts["namespace"] = self.rcfg.namespace
+        self.actor_names.append(opts["name"])
         proc.actors += 1
         proc.actor = self.RoleActor.options(**opts).remote(proc.name, str(self.run_dir / "logs"))
         proc.node = self.ray.get(proc.actor.node.remote(), timeout=self.rcfg.placement_timeout_s)
@@ -292,6 +321,7 @@ class RayRun:
                                 f"(namespace {self.rcfg.namespace!r}); set ray.run_name or run.run_dir")
         except ValueError:
             pass
+        self.actor_names.append(name)
         self.controller = self.Control.options(name=name, namespace=self.rcfg.namespace, num_cpus=0,
                                                max_concurrency=4).remote(str(self.run_dir), r.num_generators)
         groups = {kind: self.place(kind, bundles, strategy, self.rcfg.placement_timeout_s)
@@ -319,9 +349,16 @@ class RayRun:
                 raise RunFailed("learner", f"role {p.name!r} exited with code {res['code']} (log: {res['log']} "
                                            f"on {p.node['ip']}): {res['detail']}")
         self.controller.set_report.remote(self.report({}))
+        resumed = f", resumed (attempt {self.attempt})" if self.run.learner.resume else ""
         self.say(f"run {self.run_dir}: {r.mode}, {r.num_generators} generator(s), {r.num_scorers} scorer(s), "
-                 f"{r.learner_ranks} learner rank(s) on {len(self.alive_nodes())} node(s); logs in "
+                 f"{r.learner_ranks} learner rank(s) on {len(self.alive_nodes())} node(s){resumed}; logs in "
                  f"{self.run_dir / 'logs'} on each role's node; controller {name!r}")
+
+    def go(self) -> int:
+        """One attempt: place and start every role, write the resolved config, supervise."""
+        self.launch()
+        (self.run_dir / "config.yaml").write_text(resolved_text(self.run, self.rcfg))
+        return self.supervise()
 
     # ---- supervision -----------------------------------------------------------------------
 
@@ -342,8 +379,15 @@ class RayRun:
         return out
 
     def supervise(self) -> int:
+        """Until every learner rank is done (0); raises RunFailed for a role the run cannot lose,
+        Stalled when no learner step came for run.stall_timeout_s, KeyboardInterrupt on `stop`."""
+        from launch.recovery import ProgressWatch, buffer_diagnosis
+
         rcfg, r = self.rcfg, self.run.run
         learners = [p for p in self.procs if p.kind == "learner"]
+        watch = ProgressWatch(self.mirror, r.stall_timeout_s,
+                              lambda: buffer_diagnosis(self.run.buffer.host, self.run.buffer.port),
+                              first_grace_s=r.ready_timeout_s)  # as launch.local: engines start first
         while True:
             now = time.monotonic()
             for p in self.procs:
@@ -374,7 +418,8 @@ class RayRun:
                 raise KeyboardInterrupt(why)
             self.tick()
             if r.max_wall_s and time.monotonic() - self.t0 > r.max_wall_s:
-                raise RunFailed("learner", f"run exceeded run.max_wall_s={r.max_wall_s}")
+                raise RunFailed("learner", f"run exceeded run.max_wall_s={r.max_wall_s}", resumable=False)
+            watch.check()
             time.sleep(rcfg.poll_s)
 
     def exited(self, p: Proc, code: int | None, lost: bool) -> None:
@@ -493,7 +538,7 @@ class RayRun:
         """Mirror learner rank 0's metrics.jsonl (it may be on another node), feed the progress bar,
         and tell the controller how the run stands."""
         lead = next((p for p in self.procs if p.name == "learner-0"), None)
-        mirror = self.run_dir / "ray" / "metrics.jsonl"
+        mirror = self.mirror
         if lead is not None and lead.actor is not None:
             try:
                 text, self.metrics_offset = self.ray.get(lead.actor.read_file.remote(
@@ -537,13 +582,15 @@ class RayRun:
         except Exception:
             return ""
 
-    def say(self, msg: str) -> None:
-        print(f"launch.ray: {msg}", file=sys.stderr, flush=True)
+    def helper_restarts(self) -> int:
+        """Generator and scorer restarts of this attempt."""
+        return sum(p.restarts for p in self.procs if p.kind in ("generator", "scorer"))
 
     # ---- stopping --------------------------------------------------------------------------
 
     def shutdown(self) -> None:
-        """Stop every role (learner first, the buffer last), then free actors and placement groups."""
+        """Stop every role (learner first, the buffer last), then free actors and placement groups;
+        returns once the cluster has forgotten the actors' names (a next attempt takes them again)."""
         from ray.util.placement_group import remove_placement_group
 
         from ray.exceptions import RayActorError
@@ -573,6 +620,19 @@ class RayRun:
             self.controller = None
         if self.status is not None:
             self.status.close()
+            self.status = None
+        self.await_names_free()
+
+    def await_names_free(self, timeout_s: float = 30.0) -> None:
+        """`ray.kill` returns before the cluster marks the actor dead and frees its name."""
+        deadline = time.monotonic() + timeout_s
+        for name in self.actor_names:
+            while time.monotonic() < deadline:
+                try:
+                    self.ray.get_actor(name, namespace=self.rcfg.namespace)
+                except ValueError:
+                    break
+                time.sleep(0.2)
 
 
 def resume_hint(run_dir: Path, config_name: str) -> str:
@@ -581,7 +641,7 @@ def resume_hint(run_dir: Path, config_name: str) -> str:
     seen = f"the last one seen from here: {ckpts[-1][1]}" if ckpts else "none seen from here yet"
     return (f"to go on from learner rank 0's latest checkpoint in {run_dir / 'checkpoints'} ({seen}): "
             f"python -m launch.ray {config_name} [the same flags] --learner.resume true "
-            "(the buffer picks up its saved state by itself)")
+            "(the buffer picks up its saved state by itself), or with --run.auto_resume N to do it by itself")
 
 
 def connect(rcfg) -> bool:
@@ -602,12 +662,56 @@ def connect(rcfg) -> bool:
     return True
 
 
+def launcher_log(run_dir: Path) -> Callable[[str], None]:
+    """`say(msg)`: one line on the terminal (above the progress bar) and in logs/launcher.log on the
+    driver's node. launch.local's `launcher_log` under this launcher's name."""
+    from tqdm import tqdm
+
+    path = run_dir / "logs" / "launcher.log"
+
+    def say(msg: str) -> None:
+        tqdm.write(f"launch.ray: {msg}", file=sys.stderr)
+        sys.stderr.flush()
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with open(path, "a") as f:
+            f.write(f"{time.strftime('%Y-%m-%d %H:%M:%S')} {msg}\n")
+
+    return say
+
+
+def attempt_code(go: Callable[[], int], say: Callable[[str], None]) -> int:
+    """The exit code of one attempt `go` (launch and supervise), its reason said. Raises FinalExit for
+    a failure that must end the run even with resumes left."""
+    try:
+        return go()
+    except ResourceError as e:
+        say(str(e))
+        return EXIT_CODES["config"]
+    except Stalled as e:  # a restart would stall the same way: the diagnosis says what to change
+        say(f"stalled: {e}")
+        return EXIT_CODES["stalled"]
+    except RunFailed as e:
+        say(str(e))
+        code = EXIT_CODES.get(e.kind, 1)
+        if not e.resumable:
+            raise FinalExit(code) from None
+        return code
+    except KeyboardInterrupt as e:  # Ctrl-C, SIGTERM, `launch.ray stop`: never resumed
+        say(f"{str(e) or 'interrupted'}, stopping every role")
+        return 130
+
+
 def run_ray(rcfg, run, config_name: str = "CONFIG", quiet: bool = False) -> int:
-    """Place and start every role on the cluster, wait for the learner, stop everything; the exit code."""
+    """Place and start every role on the cluster, wait for the learner, stop everything; the exit code.
+    With `run.auto_resume`, a learner, buffer or weight-sync failure frees the job's actors and
+    placement groups and starts it again from the last checkpoint, on the same cluster."""
     import ray
+
+    from launch.recovery import with_auto_resume, write_exit
 
     run_dir = Path(run.run.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
+    say = launcher_log(run_dir)
     started = time.monotonic()
     try:
         own_cluster = connect(rcfg)
@@ -618,36 +722,43 @@ def run_ray(rcfg, run, config_name: str = "CONFIG", quiet: bool = False) -> int:
     def on_sigterm(signum, frame):  # `ray job stop` and `kill` stop every role, as Ctrl-C does
         raise KeyboardInterrupt(f"{signal.Signals(signum).name} received")
 
+    attempts, restarts = 0, 0  # restarts: of generators and scorers, over every attempt
+
+    def attempt() -> int:
+        """One start of the whole job; its actors and placement groups are always freed after it."""
+        nonlocal attempts, restarts
+        attempts += 1
+        job = RayRun(rcfg, run, quiet, say, attempt=attempts, t0=started)
+        try:
+            # each attempt writes the resolved configs again: learner.resume, the discovered ports
+            return attempt_code(job.go, say)
+        finally:
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second signal must not cut the shutdown short
+            try:
+                job.shutdown()
+            finally:
+                restarts += job.helper_restarts()
+                signal.signal(signal.SIGTERM, on_sigterm)
+
     # after ray.init, which installs its own SIGTERM handler (a bare sys.exit)
     old = signal.signal(signal.SIGTERM, on_sigterm)
-    job = None
     try:
-        job = RayRun(rcfg, run, quiet)
-        job.launch()
-        (run_dir / "config.yaml").write_text(resolved_text(job.run, rcfg))
-        code = job.supervise()
-    except ResourceError as e:
-        print(f"launch.ray: {e}", file=sys.stderr, flush=True)
-        code = EXIT_CODES["config"]
-    except RunFailed as e:
-        code = EXIT_CODES.get(e.kind, 1)
-        msg = f"launch.ray: {e}"
-        if e.kind in ("learner", "buffer", "weight_sync"):
-            msg += "\nlaunch.ray: every role was stopped; " + resume_hint(run_dir, config_name)
-        print(msg, file=sys.stderr, flush=True)
-    except KeyboardInterrupt as e:
-        print(f"launch.ray: {e or 'interrupted'}, stopping every role", file=sys.stderr, flush=True)
-        code = 130
+        code, resumes = with_auto_resume(run, attempt, say)
+    except FinalExit as e:
+        code, resumes = e.code, attempts - 1
+    except KeyboardInterrupt as e:  # during a shutdown, or between two attempts
+        say(f"{str(e) or 'interrupted'}, stopping")
+        code, resumes = 130, max(attempts - 1, 0)
     finally:
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second signal must not cut the shutdown short
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
         try:
-            if job is not None:
-                job.shutdown()
-        finally:
             if own_cluster:
                 ray.shutdown()
+        finally:
             signal.signal(signal.SIGTERM, old)
-    (run_dir / "exit.json").write_text(json.dumps({"code": code, "wall_s": time.monotonic() - started}) + "\n")
+    if code in RESUMABLE:
+        say("every role was stopped; " + resume_hint(run_dir, config_name))
+    write_exit(run_dir, code, time.monotonic() - started, resumes=resumes, restarts=restarts)
     return code
 
 

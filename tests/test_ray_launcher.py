@@ -1,5 +1,6 @@
 """The Ray launcher on a real (one-node) Ray cluster: the demo end to end, a generator killed and
-started again, generators scaled from 1 to 2 mid-run, and a request the cluster cannot hold.
+started again, generators scaled from 1 to 2 mid-run, a request the cluster cannot hold, and a
+learner killed mid-run that `run.auto_resume` starts again from its checkpoint.
 
 One cluster serves the module: `ray start --head --block` in its own session and temp folder, as
 the fixture's own child. Ending that process (SIGTERM, by its pid) stops exactly that cluster's
@@ -11,6 +12,10 @@ once the learner has published version >= 1, the test kills generator-0's proces
 OOM kill would) and asks for 2 generators with `python -m launch.ray scale`. The learner waits for
 data meanwhile; generator-0 is started again by the driver, generator-1 catches up with the current
 weights before its first lease, and both generate until the run ends.
+
+The resume test SIGKILLs the learner between two checkpoints: the driver frees the job's actors
+and placement groups, starts the whole job again on the same cluster with `learner.resume true`,
+and the run ends with every step trained exactly once (the learner's ledger).
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ import time
 from pathlib import Path
 
 import pytest
+import yaml
 
 from conftest import ROOT, free_port_block, subprocess_env
 
@@ -36,6 +42,9 @@ RAY = str(Path(sys.executable).with_name("ray"))
 # restarted and the added generator is ready first, and the other one is up to ~20 s later (two vLLM
 # engines starting at once on 2 cores): 150 steps leave it time to generate too.
 STEPS = 150
+# the resume test: killed after step 7, resumed from the checkpoint at step 5 (a few steps of margin
+# before the end, so the kill lands mid-run)
+RESUME_STEPS = 15
 # the run's processes share 4 logical CPUs (they are scheduling tokens; the machine has 2 cores)
 SMALL = ["--ray.buffer.num_cpus", "0.25", "--ray.weight_sync.num_cpus", "0.25", "--ray.scorer.num_cpus", "0.5",
          "--ray.learner.num_cpus", "1", "--ray.generator.num_cpus", "0.75"]
@@ -102,6 +111,58 @@ def test_resource_check_names_the_role_and_the_resource():
         check_resources([("learner", [{"CPU": 1.0, "GPU": 1.0}] * 3, "STRICT_PACK")], two_nodes)
     with pytest.raises(ResourceError, match="STRICT_SPREAD need as many nodes, but only 2"):
         check_resources([("generator", [{"CPU": 1.0}] * 3, "STRICT_SPREAD")], two_nodes)
+
+
+def test_failures_give_exit_codes_and_only_core_roles_are_resumed(tmp_path):
+    """What run_ray does with each way an attempt ends, without a cluster: `attempt_code` gives the
+    exit code, `with_auto_resume` starts a new attempt after a learner/buffer/weight-sync failure."""
+    from types import SimpleNamespace
+
+    from launch.ray import FinalExit, RunFailed, attempt_code
+    from launch.ray_config import ResourceError
+    from launch.recovery import Stalled, with_auto_resume
+
+    said: list[str] = []
+
+    def ends(outcomes):
+        """An attempt as run_ray makes one; each call takes the next outcome (an exit code or an error)."""
+        outcomes = iter(outcomes)
+
+        def go():
+            o = next(outcomes)
+            if isinstance(o, BaseException):
+                raise o
+            return o
+
+        return lambda: attempt_code(go, said.append)
+
+    codes = {"buffer": 3, "weight_sync": 4, "learner": 5, "generator": 6, "scorer": 7}
+    for kind, code in codes.items():
+        assert ends([RunFailed(kind, f"{kind} died")])() == code
+    assert said[-1] == "scorer died"
+    assert ends([ResourceError("no GPU")])() == 2
+    assert ends([Stalled("no learner step for 1200s")])() == 8 and said[-1].startswith("stalled: no learner step")
+    assert ends([KeyboardInterrupt()])() == 130 and said[-1] == "interrupted, stopping every role"
+    with pytest.raises(FinalExit) as e:  # run.max_wall_s spent: resuming would not help
+        ends([RunFailed("learner", "run exceeded run.max_wall_s=60", resumable=False)])()
+    assert e.value.code == 5
+
+    def run_with(auto_resume: int):
+        return SimpleNamespace(run=SimpleNamespace(auto_resume=auto_resume, run_dir=str(tmp_path)),
+                               learner=SimpleNamespace(resume=False))
+
+    # a learner, buffer or weight-sync failure: the run starts again with learner.resume, while resumes last
+    run = run_with(2)
+    assert with_auto_resume(run, ends([RunFailed("learner", "-9"), RunFailed("buffer", "-9"), 0]), said.append) == (0, 2)
+    assert run.learner.resume is True and said[-1].startswith("auto-resume 2/2: exit code 3")
+    run = run_with(1)
+    assert with_auto_resume(run, ends([RunFailed("weight_sync", "x"), RunFailed("learner", "y")]), said.append) == (5, 1)
+    # a generator/scorer failure, a stall, Ctrl-C: never resumed
+    for outcome, code in ((RunFailed("generator", "every generator has exited"), 6), (Stalled("s"), 8),
+                          (KeyboardInterrupt("SIGTERM received"), 130)):
+        run = run_with(3)
+        assert with_auto_resume(run, ends([outcome]), said.append) == (code, 0)  # a second call would fail: one outcome
+        assert run.learner.resume is False
 
 
 # ---- on a cluster ----------------------------------------------------------------------------
@@ -213,8 +274,10 @@ def test_more_than_the_cluster_has_fails_fast_naming_role_and_resource(demo, tmp
     assert "role 'generator' asks for GPU 1 per process" in res.stderr, res.stderr[-3000:]
     assert "no node of the cluster has GPU 1" in res.stderr
     assert wall < 60, f"took {wall:.0f}s to refuse"
-    # nothing of it is left on the cluster: no roles started, so no logs
-    assert not (tmp_path / "run" / "logs").exists()
+    # nothing of it is left on the cluster: no roles started, so no role logs (the launcher's own says why)
+    logs = tmp_path / "run" / "logs"
+    assert sorted(p.name for p in logs.glob("*")) in ([], ["launcher.log"])
+    assert json.loads((tmp_path / "run" / "exit.json").read_text())["code"] == 2
 
 
 @pytest.mark.slow
@@ -293,3 +356,116 @@ def test_demo_end_to_end_with_a_generator_killed_and_scaled_to_two(demo, tmp_pat
     for name in ("buffer", "weight_sync", "scorer-0", "learner-0"):
         pid = roles[name]["pid"]
         assert not Path(f"/proc/{pid}").exists() or "zombie" in Path(f"/proc/{pid}/status").read_text().lower()
+
+
+def ledger(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "ledger.jsonl").read_text().splitlines() if line.strip()]
+
+
+@pytest.mark.slow
+def test_learner_killed_mid_run_is_resumed_from_its_checkpoint(demo, tmp_path):
+    """SIGKILL the learner after step 7 (a checkpoint at step 5): with run.auto_resume 1 the driver
+    frees the job's actors and placement groups, starts the whole job again with learner.resume and
+    new ports, and the run ends at total_steps with every step trained exactly once."""
+    total, save_every = RESUME_STEPS, 5
+    run_dir = tmp_path / "run"
+    log_path = tmp_path / "launch_ray.log"
+    t0 = time.monotonic()
+    with open(log_path, "wb") as log:
+        driver = subprocess.Popen(launch_argv(demo, run_dir, "--run.auto_resume", "1", "--learner.total_steps",
+                                              str(total), "--learner.save_every", str(save_every),
+                                              "--ray.run_name", "resume"),
+                                  stdout=log, stderr=subprocess.STDOUT, env=ray_env(), cwd=ROOT,
+                                  start_new_session=True)
+    try:
+        def launched():
+            if driver.poll() is not None:
+                raise AssertionError(f"launch.ray exited early ({driver.returncode}):\n"
+                                     + log_path.read_text(errors="replace")[-4000:])
+            return "controller 'conveyor-run:resume'" in log_path.read_text(errors="replace")
+
+        wait_for(launched, 300, "every role to start")
+        st = control(demo, "status", "--run", "resume")
+        assert st.returncode == 0, st.stderr[-3000:]
+        learner = next(r for r in json.loads(st.stdout)["run"]["roles"] if r["name"] == "learner-0")
+        wait_for(lambda: driver.poll() is None and len(metrics(run_dir)) >= 7, 300, "the learner's 7th step",
+                 poll_s=0.1)
+        killed_at = len(metrics(run_dir))
+        os.kill(learner["pid"], signal.SIGKILL)  # the learner alone, as an OOM kill would
+        driver.wait(timeout=900)
+    finally:
+        if driver.poll() is None:
+            driver.terminate()
+            driver.wait(timeout=120)
+    wall = time.monotonic() - t0
+    out = log_path.read_text(errors="replace")
+    assert driver.returncode == 0, out[-4000:]
+    assert killed_at < total, f"the run had done {killed_at} of {total} steps when the learner was killed"
+
+    exit_info = json.loads((run_dir / "exit.json").read_text())
+    assert exit_info["code"] == 0 and exit_info["resumes"] == 1, exit_info
+    assert exit_info["restarts"] == 0, exit_info
+
+    # the driver said why it started again, on the terminal and in logs/launcher.log
+    launcher_log = (run_dir / "logs" / "launcher.log").read_text()
+    assert re.search(r"role 'learner-0' exited with code -9", launcher_log), launcher_log[-3000:]
+    assert "auto-resume 1/1: exit code 5" in launcher_log and "auto-resume 1/1: exit code 5" in out
+
+    # the second attempt: learner.resume in its resolved configs, with the buffer it discovered anew
+    cfg = yaml.safe_load((run_dir / "configs" / "learner-0.yaml").read_text())
+    assert cfg["learner"]["resume"] is True
+    buffers = re.findall(r"buffer on (\S+):(\d+)", out)
+    assert len(buffers) == 2, out[-4000:]
+    assert (cfg["learner"]["buffer_host"], str(cfg["learner"]["buffer_port"])) == buffers[-1]
+    learner_log = (run_dir / "logs" / "learner-0.log").read_text(errors="replace")
+    resumed = re.search(r"resumed from \S+step_(\d+) at step (\d+)", learner_log)
+    assert resumed and int(resumed.group(2)) >= save_every, learner_log[-3000:]
+
+    # the run ended at total_steps, each step trained once, no prompt group in two steps
+    assert (run_dir / "checkpoints" / "latest").read_text().strip() == f"step_{total}"
+    state = json.loads((run_dir / "checkpoints" / f"step_{total}" / "trainer_state.json").read_text())
+    assert state["step"] == total
+    rows = ledger(run_dir)
+    assert sorted(r["step"] for r in rows) == list(range(total)), [r["step"] for r in rows]
+    seen: dict[int, int] = {}
+    for r in rows:
+        for g in r["groups"]:
+            assert g not in seen, f"group {g} trained at steps {seen[g]} and {r['step']}"
+            seen[g] = r["step"]
+    print(f"resume test: killed after {killed_at} steps, resumed at step {resumed.group(2)}; wall {wall:.0f}s")
+
+
+@pytest.mark.slow
+def test_no_learner_step_for_stall_timeout_stops_the_run_with_the_buffers_diagnosis(demo, tmp_path):
+    """A generator frozen mid-run (SIGSTOP: alive, so nothing restarts it) leaves the learner with no
+    batch: after run.stall_timeout_s the run stops with code 8 and the buffer's account of why, and
+    is not resumed."""
+    run_dir = tmp_path / "run"
+    log_path = tmp_path / "launch_ray.log"
+    with open(log_path, "wb") as log:
+        driver = subprocess.Popen(launch_argv(demo, run_dir, "--run.stall_timeout_s", "15", "--run.auto_resume", "1",
+                                              "--learner.total_steps", "200", "--ray.run_name", "stall"),
+                                  stdout=log, stderr=subprocess.STDOUT, env=ray_env(), cwd=ROOT,
+                                  start_new_session=True)
+    try:
+        wait_for(lambda: driver.poll() is None and len(metrics(run_dir)) >= 3, 300, "the learner's 3rd step",
+                 poll_s=0.2)
+        st = control(demo, "status", "--run", "stall")
+        assert st.returncode == 0, st.stderr[-3000:]
+        gens = [r for r in json.loads(st.stdout)["run"]["roles"] if r["name"].startswith("generator")]
+        assert gens
+        for g in gens:
+            os.kill(g["pid"], signal.SIGSTOP)
+        t0 = time.monotonic()
+        driver.wait(timeout=300)
+        took = time.monotonic() - t0
+    finally:
+        if driver.poll() is None:
+            driver.terminate()
+            driver.wait(timeout=120)
+    assert driver.returncode == 8, log_path.read_text(errors="replace")[-4000:]
+    assert took < 15 + 90, took  # the bound, plus stopping every role
+    exit_info = json.loads((run_dir / "exit.json").read_text())
+    assert (exit_info["code"], exit_info["resumes"]) == (8, 0), exit_info
+    said = (run_dir / "logs" / "launcher.log").read_text()
+    assert "stall_timeout_s=15" in said and "auto-resume" not in said, said[-3000:]
