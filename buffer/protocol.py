@@ -9,12 +9,15 @@ Token ids, log-probs and versions travel as packed little-endian arrays (msgpack
 with `numpy.frombuffer`: a read-only view, not a list of Python numbers. Nothing is pickled.
 
 Anything malformed raises `ProtocolError`, which names the field; callers catch that one type and
-keep serving.
+keep serving. Its text quotes untrusted values only through `short` (bounded in length and depth:
+the repr of a list nested 1,000 deep raises RecursionError).
 """
 
 from __future__ import annotations
 
+import functools
 import math
+import reprlib
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
@@ -50,6 +53,14 @@ class Limits:
 
 
 DEFAULT_LIMITS = Limits()
+
+_SHORT = reprlib.Repr()  # (keyword arguments only from Python 3.12)
+_SHORT.maxlevel, _SHORT.maxstring, _SHORT.maxother, _SHORT.maxlist, _SHORT.maxdict = 2, 60, 60, 4, 4
+
+
+def short(v: Any) -> str:
+    """A repr of an untrusted value fit for an error message: at most ~80 characters, 2 levels deep."""
+    return _SHORT.repr(v)
 
 
 # --------------------------------------------------------------------------------------------
@@ -125,7 +136,7 @@ def _scalar_map(d: dict, key: str, where: str, limits: Limits, values=(int, floa
         raise ProtocolError(f"{where}.{key}", f"{len(v)} entries > limit {limits.max_items}")
     for k, x in v.items():
         if not isinstance(k, str):
-            raise ProtocolError(f"{where}.{key}", f"key {k!r} is not a string")
+            raise ProtocolError(f"{where}.{key}", f"key {short(k)} is not a string")
         if x is None and allow_none:
             continue
         if not isinstance(x, values):
@@ -426,6 +437,22 @@ def encode_batch(step: int, rank: int, world_size: int, item_frames: Sequence[by
     return [_pack(env), *item_frames]
 
 
+def _refusing(decoder):
+    """`decoder`, raising `ProtocolError` and only that on any input: a value nested past the
+    recursion limit or of a type no reader expected is a malformed message, not a bug to crash on."""
+
+    @functools.wraps(decoder)
+    def wrapper(*args, **kwargs):
+        try:
+            return decoder(*args, **kwargs)
+        except ProtocolError:
+            raise
+        except (RecursionError, TypeError, ValueError, KeyError, IndexError, AttributeError, OverflowError) as e:
+            raise ProtocolError("message", f"cannot be decoded ({type(e).__name__})") from None
+
+    return wrapper
+
+
 def _unpack(frame: Any, where: str, limits: Limits) -> Any:
     try:
         return msgpack.unpackb(
@@ -442,6 +469,7 @@ def _unpack(frame: Any, where: str, limits: Limits) -> Any:
         raise ProtocolError(where, f"not valid msgpack ({type(e).__name__}: {e})") from None
 
 
+@_refusing
 def decode_item(frame: Any, kind: str, where: str = "item", limits: Limits = DEFAULT_LIMITS):
     """One rollout frame; `kind` is `rollouts` (-> Rollout) or `scored` (-> ScoredRollout)."""
     cls = Rollout if kind == "rollouts" else ScoredRollout
@@ -450,6 +478,7 @@ def decode_item(frame: Any, kind: str, where: str = "item", limits: Limits = DEF
     return cls.from_wire(_unpack(frame, where, limits), where, limits)
 
 
+@_refusing
 def decode_envelope(frames: Sequence[Any], limits: Limits = DEFAULT_LIMITS) -> tuple[str, dict]:
     """Check sizes and the envelope; return (type, envelope map) without decoding item frames."""
     if not frames:
@@ -469,12 +498,12 @@ def decode_envelope(frames: Sequence[Any], limits: Limits = DEFAULT_LIMITS) -> t
         raise ProtocolError("envelope", f"expected map, got {type(env).__name__}")
     v = env.get("v")
     if v != SCHEMA_VERSION:
-        raise ProtocolError("envelope.v", f"schema version {v!r}, this side speaks {SCHEMA_VERSION}")
+        raise ProtocolError("envelope.v", f"schema version {short(v)}, this side speaks {SCHEMA_VERSION}")
     kind = env.get("type")
     if not isinstance(kind, str):  # a list or map here would make the lookups below raise TypeError
         raise ProtocolError("envelope.type", f"expected str, got {type(kind).__name__}")
     if kind not in _DECODERS and kind not in _ITEM_TYPES and kind != "batch":
-        raise ProtocolError("envelope.type", f"unknown message type {kind!r}")
+        raise ProtocolError("envelope.type", f"unknown message type {short(kind)}")
     if kind in _ITEM_TYPES or kind == "batch":
         n = _int(env, "n", kind, 0, limits.max_frames)
         if n != len(frames) - 1:
@@ -484,6 +513,7 @@ def decode_envelope(frames: Sequence[Any], limits: Limits = DEFAULT_LIMITS) -> t
     return kind, env
 
 
+@_refusing
 def decode(frames: Sequence[Any], limits: Limits = DEFAULT_LIMITS) -> Any:
     """Frames -> message object. Raises `ProtocolError` (and only that) on anything malformed."""
     kind, env = decode_envelope(frames, limits)

@@ -11,12 +11,18 @@ once (`buffer/ingest.py`: unpacked, every field checked, no objects built), its 
 received and served to the learner as it came (`protocol.encode_batch`), never encoded again.
 
 Nothing a peer sends can stop the loop: a malformed request gets an `Error` reply naming the field,
-a malformed stream message is dropped and counted (`buffer/malformed`), warnings are rate-limited.
+a malformed stream message is dropped and counted (`buffer/malformed`), an unexpected exception in
+any socket's handler is counted (`buffer/internal_errors`) and the loop goes on; warnings are
+rate-limited. Nor can a peer make the buffer hold memory without bound: every socket caps a frame
+(MAXMSGSIZE) and what it queues per peer (high-water marks, in messages), and `MemoryGuard` covers
+what libzmq cannot bound (a multipart message that never ends).
 """
 
 from __future__ import annotations
 
+import ctypes
 import logging
+import os
 import signal
 import threading
 import time
@@ -43,6 +49,7 @@ from buffer.protocol import (
     decode_envelope,
     encode,
     encode_batch,
+    short,
 )
 from buffer.ingest import scored_meta
 from buffer.state import BufferState, RequestError, Sample, load_prompts
@@ -55,6 +62,13 @@ DRAIN = 64  # messages taken from one socket before looking at the others again
 EXPIRE_EVERY_S = 0.05
 # Types a peer may receive from the buffer but never send it as a request.
 NOT_REQUESTS = {"lease_grant", "wait", "metrics", "ack", "error", "batch", "rollouts"}
+# What each socket queues per peer, in whole messages (libzmq counts messages, not bytes; MAXMSGSIZE
+# bounds each frame). A client has one request in flight, so 16 unread replies on control are
+# already a misbehaving peer (a ROUTER drops replies past it). relay_out holds few per scorer: a
+# peer that stops reading (or never was a scorer) strands at most that many, which go back to the
+# queue when their leases expire.
+RCVHWM = {"control": 16, "ingest": 32, "relay_in": 32, "relay_out": 1}
+SNDHWM = {"control": 16, "ingest": 1, "relay_in": 1, "relay_out": 4}
 
 
 class ResumeError(RuntimeError):
@@ -64,19 +78,76 @@ class ResumeError(RuntimeError):
 class WarnLimiter:
     """At most one warning per `every_s` per kind; says how many were held back."""
 
-    def __init__(self, every_s: float = 5.0):
+    def __init__(self, every_s: float = 5.0, logger: logging.Logger = log):
         self.every_s = every_s
+        self.log = logger
         self._last: dict[str, float] = {}
         self._held: dict[str, int] = {}
 
-    def warn(self, kind: str, msg: str, *args) -> None:
+    def warn(self, kind: str, msg: str, *args, exc_info: bool = False) -> None:
         now = time.monotonic()
         if now - self._last.get(kind, -1e9) < self.every_s:
             self._held[kind] = self._held.get(kind, 0) + 1
             return
         held = self._held.pop(kind, 0)
         self._last[kind] = now
-        log.warning(msg + (f" ({held} more since the last warning of this kind)" if held else ""), *args)
+        self.log.warning(msg + (f" ({held} more since the last warning of this kind)" if held else ""), *args,
+                         exc_info=exc_info)
+
+
+class MemoryGuard:
+    """Bounds what peers can make this process hold beyond what it keeps on purpose.
+
+    libzmq keeps every frame of a multipart message until the last one arrives, with no bound:
+    MAXMSGSIZE is per frame and high-water marks count whole messages. A peer that never ends a
+    message (2 bytes on the wire per empty frame, ~64 bytes held) fills memory until it hangs up,
+    and libzmq does not say which connection holds it. So the loop asks `over` now and then, and
+    once the process is `budget` bytes past its size at start plus what it `held` on purpose, it
+    closes and binds its sockets again: every connection drops (peers reconnect by themselves; what
+    was in flight is lost, as when a peer restarts) and what they held is freed. Linux only (RSS
+    from /proc); elsewhere it never trips.
+    """
+
+    def __init__(self, budget: int, every_s: float = 0.25):
+        self.budget = budget
+        self.every_s = every_s
+        self.base = rss_bytes()
+        self._next = 0.0
+        self._trim = False
+
+    def over(self, now: float, held) -> bool:
+        """Past the budget? `held()`: bytes kept on purpose (only asked when it may matter)."""
+        if now < self._next or not self.base:
+            return False
+        self._next = now + self.every_s
+        if self._trim:  # the sockets closed a check ago: libzmq has freed their queues by now
+            self._trim = False
+            release_free_memory()
+            self.base = max(self.base, rss_bytes() - held())  # what could not be given back stays
+            return False
+        rss = rss_bytes()
+        return rss > self.base + self.budget and rss > self.base + held() + self.budget
+
+    def reset(self) -> None:
+        """The caller closed and bound its sockets again."""
+        self._trim = True
+
+
+def rss_bytes() -> int:
+    """This process's resident memory (0 where /proc is not there)."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
+def release_free_memory() -> None:
+    """Give freed heap back to the OS: glibc keeps it (many small frames freed leave RSS as it was)."""
+    try:
+        ctypes.CDLL(None).malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
 
 
 class BufferService:
@@ -101,33 +172,63 @@ class BufferService:
 
         self.endpoints = endpoints(cfg.host, cfg.port)
         self.ctx = zmq.Context()
-        self.control = self._bind(zmq.ROUTER, "control")
-        self.ingest = self._bind(zmq.PULL, "ingest")
-        self.relay_in = self._bind(zmq.PULL, "relay_in")
-        self.relay_out = self._bind(zmq.PUSH, "relay_out")
-        self.poller = zmq.Poller()
-        for s in (self.control, self.ingest, self.relay_in):
-            self.poller.register(s, zmq.POLLIN)
+        self._open_sockets()
         self._relay_pending: list | None = None  # a message relay_out could not take yet
-        self._relay_polled = None
+        # two of the biggest messages may be on their way in at once; past that, see MemoryGuard
+        self.memory = MemoryGuard(2 * self.limits.max_message_bytes)
         self._next_expiry = 0.0
         self._next_summary = time.monotonic() + cfg.log_interval_s
         self._summary_rollouts = 0
 
-    def _bind(self, kind: int, name: str) -> zmq.Socket:
+    def _open_sockets(self, tries: int = 1) -> None:
+        self.control = self._bind(zmq.ROUTER, "control", tries)
+        self.ingest = self._bind(zmq.PULL, "ingest", tries)
+        self.relay_in = self._bind(zmq.PULL, "relay_in", tries)
+        self.relay_out = self._bind(zmq.PUSH, "relay_out", tries)
+        self.poller = zmq.Poller()
+        for s in (self.control, self.ingest, self.relay_in):
+            self.poller.register(s, zmq.POLLIN)
+        self._relay_polled = None
+
+    def _bind(self, kind: int, name: str, tries: int = 1) -> zmq.Socket:
         s = self.ctx.socket(kind)
         s.setsockopt(zmq.LINGER, 0)
-        if kind in (zmq.PULL, zmq.ROUTER):
-            s.setsockopt(zmq.RCVHWM, 1000)
-            # a peer sending a bigger frame is disconnected before the frame fills our memory
-            s.setsockopt(zmq.MAXMSGSIZE, self.limits.max_frame_bytes)
-        try:
-            s.bind(self.endpoints[name])
-        except zmq.ZMQError as e:
-            s.close()
-            self.close_sockets()
-            raise OSError(f"buffer cannot bind {name} socket to {self.endpoints[name]}: {e}") from None
-        return s
+        # a peer sending a bigger frame is disconnected before the frame fills our memory (any
+        # socket type reads what a peer sends, even a PUSH)
+        s.setsockopt(zmq.MAXMSGSIZE, self.limits.max_frame_bytes)
+        s.setsockopt(zmq.RCVHWM, RCVHWM[name])
+        s.setsockopt(zmq.SNDHWM, SNDHWM[name])
+        if kind == zmq.PUSH:
+            s.setsockopt(zmq.IMMEDIATE, 1)  # queue only to peers whose connection is complete
+        for attempt in range(tries):  # (binding again: the old listener may take a moment to go)
+            try:
+                s.bind(self.endpoints[name])
+                return s
+            except zmq.ZMQError as e:
+                if attempt + 1 < tries:
+                    time.sleep(0.05)
+                    continue
+                s.close()
+                self.close_sockets()
+                raise OSError(f"buffer cannot bind {name} socket to {self.endpoints[name]}: {e}") from None
+
+    def _reset_sockets(self) -> None:
+        """Drop every connection (see `MemoryGuard`): close the sockets and bind them again."""
+        self.state.counters["memory_resets"] += 1
+        log.warning("the buffer grew %d MB past its budget with nothing accepted to show for it (a peer "
+                    "sending a message that never ends?): dropping every connection; peers reconnect, "
+                    "and what they had in flight is lost", (rss_bytes() - self.memory.base) >> 20)
+        self.close_sockets()
+        self._open_sockets(tries=100)
+        self.memory.reset()
+
+    def _held_bytes(self) -> int:
+        """Bytes of rollouts the bookkeeping keeps (what the buffer is meant to hold)."""
+        st = self.state
+        n = sum(len(x.frame) for g in st.pending.values() for x in g.samples.values())
+        n += sum(len(x.frame) for g in st.ready for x in g.samples)
+        n += sum(len(f) for b in st.batches.values() for share in b.shares for f in share)
+        return n + sum(map(len, self._relay_pending or ()))
 
     def _restore(self, saved) -> None:
         groups = {}
@@ -163,8 +264,10 @@ class BufferService:
             if self.ingest in events:
                 self._drain(self.ingest, self.on_ingest)
             if self.relay_in in events or self.relay_out in events:
-                self.forward_relay()
+                self._guarded(self.forward_relay)
             now = time.monotonic()
+            if self.memory.over(now, self._held_bytes):
+                self._reset_sockets()
             if now >= self._next_expiry:
                 back = self.state.expire(now)
                 if back:
@@ -187,11 +290,14 @@ class BufferService:
                 frames = sock.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
                 return
-            try:
-                handle(frames)
-            except Exception:  # a bug must not take the buffer (and every accepted rollout) down
-                self.state.counters["internal_errors"] += 1
-                log.exception("internal error while handling a message; carrying on")
+            self._guarded(handle, frames)
+
+    def _guarded(self, handle, *args) -> None:
+        try:
+            handle(*args)
+        except Exception:  # a bug must not take the buffer (and every accepted rollout) down
+            self.state.counters["internal_errors"] += 1
+            self.warnings.warn("internal", "internal error while handling a message; carrying on", exc_info=True)
 
     # ---- control: one request, one reply ---------------------------------------------------
 
@@ -211,9 +317,10 @@ class BufferService:
                 reply = encode(Error(e.message, e.field))
             except Exception as e:
                 self.state.counters["internal_errors"] += 1
-                log.exception("internal error while serving a request")
-                reply = encode(Error(f"internal error in the buffer: {type(e).__name__}: {e}"))
-        self.control.send_multipart([identity, b"", *reply])
+                self.warnings.warn("internal", "internal error while serving a request", exc_info=True)
+                reply = encode(Error(f"internal error in the buffer: {type(e).__name__}: {str(e)[:200]}"))
+        # a ROUTER never blocks: a reply to a peer past its SNDHWM (it does not read) is dropped
+        self.control.send_multipart([identity, b"", *reply], zmq.NOBLOCK)
 
     def handle_request(self, body: Sequence[bytes]) -> list[bytes]:
         """The reply frames to one request (the frames after the delimiter)."""
@@ -223,7 +330,7 @@ class BufferService:
             accepted, rejected = self.take_scored(body[1:])
             return encode(Ack(accepted, rejected, f"{accepted} accepted, {rejected} refused (late or duplicate)"))
         if kind in NOT_REQUESTS:
-            raise ProtocolError("envelope.type", f"{kind!r} is not a request the buffer serves on control")
+            raise ProtocolError("envelope.type", f"{short(kind)} is not a request the buffer serves on control")
         msg = decode(body, self.limits)
         if isinstance(msg, LeaseRequest):
             reply = self.state.lease(msg.worker_id, msg.max_groups, now, msg.version)
@@ -270,7 +377,7 @@ class BufferService:
         try:
             kind, _ = decode_envelope(frames, self.limits)
             if kind != "scored":
-                raise ProtocolError("envelope.type", f"ingest takes `scored` messages, got {kind!r}")
+                raise ProtocolError("envelope.type", f"ingest takes `scored` messages, got {short(kind)}")
             self.take_scored(frames[1:])
         except ProtocolError as e:
             self._malformed("ingest", e)
@@ -319,7 +426,7 @@ class BufferService:
                 try:
                     kind, _ = decode_envelope(frames, self.limits)
                     if kind != "rollouts":
-                        raise ProtocolError("envelope.type", f"the relay takes `rollouts` messages, got {kind!r}")
+                        raise ProtocolError("envelope.type", f"the relay takes `rollouts` messages, got {short(kind)}")
                 except ProtocolError as e:
                     self._malformed("relay", e)
                     continue

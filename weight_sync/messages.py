@@ -15,13 +15,17 @@ Who sends what (request -> reply, over DEALER -> the service's ROUTER):
 `round_info` (inside `round` and handed to the engine's `receive_weights`) is a plain map, so
 that it passes through vLLM's `collective_rpc` unchanged; `validate_round_info` checks it.
 
-Anything malformed raises `ProtocolError`, which names the field; the service answers it with an
-`error` and keeps serving.
+Anything malformed raises `ProtocolError` (and nothing else, whatever the bytes), which names the
+field; the service answers it with an `error` and keeps serving. Error texts quote untrusted values
+only through `short`, and a manifest's shapes are bounded before any arithmetic on them (a shape of
+65,535 dims of 2**64-1 would otherwise cost seconds of big-integer products).
 """
 
 from __future__ import annotations
 
+import functools
 import math
+import reprlib
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -35,6 +39,11 @@ MAX_STR = 1 << 16
 MAX_ITEMS = 1 << 17
 BACKENDS = ("gloo", "nccl", "disk")
 MODES = ("finish", "interrupt")
+# manifest bounds, checked field by field before `validate_manifest` multiplies anything
+MAX_TENSORS = 1 << 16
+MAX_NDIM = 16
+MAX_DIM = 1 << 40  # one dimension's size, exclusive
+MAX_MODEL_BYTES = 1 << 42  # all buckets together (4 TiB)
 
 
 class ProtocolError(ValueError):
@@ -44,6 +53,33 @@ class ProtocolError(ValueError):
         super().__init__(f"{field}: {problem}")
         self.field = field
         self.problem = problem
+
+
+# (a copy of `buffer.protocol.short`: neither package may import the other)
+_SHORT = reprlib.Repr()  # (keyword arguments only from Python 3.12)
+_SHORT.maxlevel, _SHORT.maxstring, _SHORT.maxother, _SHORT.maxlist, _SHORT.maxdict = 2, 60, 60, 4, 4
+
+
+def short(v: Any) -> str:
+    """A repr of an untrusted value fit for an error message: at most ~80 characters, 2 levels deep."""
+    return _SHORT.repr(v)
+
+
+def _refusing(decoder):
+    """`decoder`, raising `ProtocolError` and only that on any input: a value nested past the
+    recursion limit or of a type no reader expected is a malformed message, not a bug to crash on.
+    (A copy of `buffer.protocol._refusing`: neither package may import the other.)"""
+
+    @functools.wraps(decoder)
+    def wrapper(*args, **kwargs):
+        try:
+            return decoder(*args, **kwargs)
+        except ProtocolError:
+            raise
+        except (RecursionError, TypeError, ValueError, KeyError, IndexError, AttributeError, OverflowError) as e:
+            raise ProtocolError("message", f"cannot be decoded ({type(e).__name__})") from None
+
+    return wrapper
 
 
 # --------------------------------------------------------------------------------------------
@@ -90,7 +126,7 @@ def _str(d: dict, key: str, where: str, choices: tuple = (), nonempty: bool = Fa
     if len(v) > MAX_STR:
         raise ProtocolError(f"{where}.{key}", f"{len(v)} characters > limit {MAX_STR}")
     if choices and v not in choices:
-        raise ProtocolError(f"{where}.{key}", f"{v!r} is not one of {list(choices)}")
+        raise ProtocolError(f"{where}.{key}", f"{short(v)} is not one of {list(choices)}")
     if nonempty and not v:
         raise ProtocolError(f"{where}.{key}", "empty")
     return v
@@ -116,17 +152,47 @@ def _scalars(d: dict, key: str, where: str) -> dict:
         raise ProtocolError(f"{where}.{key}", f"expected map, got {type(v).__name__}")
     for k, x in v.items():
         if not isinstance(k, str):
-            raise ProtocolError(f"{where}.{key}", f"key {k!r} is not a string")
-        if x is not None and not isinstance(x, (int, float, str, bool, list)):
+            raise ProtocolError(f"{where}.{key}", f"key {short(k)} is not a string")
+        if isinstance(x, list):  # flat lists only: a deep one would fail when `status` encodes it
+            if not all(isinstance(y, (int, float, str, bool)) for y in x):
+                raise ProtocolError(f"{where}.{key}.{k}", "expected a list of scalars")
+        elif x is not None and not isinstance(x, (int, float, str, bool)):
             raise ProtocolError(f"{where}.{key}.{k}", f"unsupported value type {type(x).__name__}")
     return v
 
 
 def _manifest(d: dict, key: str, where: str) -> dict:
+    m, where = _get(d, key, where), f"{where}.{key}"
+    _bound_shapes(m, where)
     try:
-        return validate_manifest(_get(d, key, where), f"{where}.{key}")
+        validate_manifest(m, where, max_tensors=MAX_TENSORS)
     except ManifestError as e:
         raise ProtocolError(e.field, e.problem) from None
+    total = sum(m["buckets"])
+    if total > MAX_MODEL_BYTES:
+        raise ProtocolError(f"{where}.buckets", f"{total} bytes in all > limit {MAX_MODEL_BYTES}")
+    return m
+
+
+def _bound_shapes(m: Any, where: str) -> None:
+    """Constant work per field: at most MAX_TENSORS tensors and buckets, MAX_NDIM dims each below
+    MAX_DIM, so the products `validate_manifest` takes stay small integers."""
+    if not isinstance(m, dict):
+        return  # validate_manifest names it
+    for key in ("buckets", "tensors"):
+        v = m.get(key)
+        if isinstance(v, list) and len(v) > MAX_TENSORS:
+            raise ProtocolError(f"{where}.{key}", f"{len(v)} entries > limit {MAX_TENSORS}")
+    tensors = m.get("tensors")
+    for i, t in enumerate(tensors if isinstance(tensors, list) else ()):
+        shape = t[2] if isinstance(t, list) and len(t) == 5 else None
+        if not isinstance(shape, list):
+            continue  # validate_manifest names it
+        if len(shape) > MAX_NDIM:
+            raise ProtocolError(f"{where}.tensors[{i}].shape", f"{len(shape)} dims > limit {MAX_NDIM}")
+        for s in shape:
+            if isinstance(s, bool) or not isinstance(s, int) or not 0 <= s < MAX_DIM:
+                raise ProtocolError(f"{where}.tensors[{i}].shape", f"size {short(s)} not in [0, {MAX_DIM})")
 
 
 # --------------------------------------------------------------------------------------------
@@ -324,6 +390,7 @@ def _status_values(d: dict) -> dict:
     return v
 
 
+@_refusing
 def validate_round_info(info: Any, where: str = "round_info") -> dict:
     """Check a round_info map (what a generator's engine receives); return it unchanged."""
     if not isinstance(info, dict):
@@ -360,6 +427,7 @@ def encode(msg: Any) -> bytes:
     return msgpack.packb({"v": SCHEMA_VERSION, "type": name, **msg.__dict__}, use_bin_type=True)
 
 
+@_refusing
 def decode(frames: Any) -> Any:
     """One frame (or a one-frame list) -> message object. Raises `ProtocolError` (only) when malformed."""
     if isinstance(frames, (list, tuple)):
@@ -376,8 +444,10 @@ def decode(frames: Any) -> Any:
     if not isinstance(d, dict):
         raise ProtocolError("envelope", f"expected map, got {type(d).__name__}")
     if d.get("v") != SCHEMA_VERSION:
-        raise ProtocolError("envelope.v", f"schema version {d.get('v')!r}, this side speaks {SCHEMA_VERSION}")
+        raise ProtocolError("envelope.v", f"schema version {short(d.get('v'))}, this side speaks {SCHEMA_VERSION}")
     kind = d.get("type")
+    if not isinstance(kind, str):  # a list or map here would make the lookup below raise TypeError
+        raise ProtocolError("envelope.type", f"expected str, got {type(kind).__name__}")
     if kind not in _DECODERS:
-        raise ProtocolError("envelope.type", f"unknown message type {kind!r}")
+        raise ProtocolError("envelope.type", f"unknown message type {short(kind)}")
     return _DECODERS[kind](d)
