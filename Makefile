@@ -46,6 +46,7 @@ bench: install
 	$(PY) bench/weight_sync.py
 	$(PY) bench/generation.py
 	$(PY) bench/async_vs_sync.py
+	$(PY) bench/state_log.py
 	$(PY) bench/chaos.py
 
 clean:
