@@ -39,16 +39,10 @@ def say(msg: str) -> None:
 
 
 def steps_done(run_dir: Path) -> int:
-    path = run_dir / "ledger.jsonl"
-    if not path.exists():
-        return 0
-    steps = set()
-    for line in path.read_text().splitlines():
-        try:
-            steps.add(json.loads(line)["step"])
-        except (ValueError, KeyError):
-            pass
-    return len(steps)
+    """Distinct learner steps in the ledger (a resumed run redoes some)."""
+    from learner.ledger import read_ledger
+
+    return len(read_ledger(run_dir / "ledger.jsonl"))
 
 
 def role_pid(launcher_pid: int, module: str) -> int | None:

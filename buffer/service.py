@@ -174,8 +174,7 @@ class BufferService:
         self.ctx = zmq.Context()
         self._open_sockets()
         self._relay_pending: list | None = None  # a message relay_out could not take yet
-        # two of the biggest messages may be on their way in at once; past that, see MemoryGuard
-        self.memory = MemoryGuard(2 * self.limits.max_message_bytes)
+        self.memory: MemoryGuard | None = None  # set by `run` when the buffer is a process of its own
         self._next_expiry = 0.0
         self._next_summary = time.monotonic() + cfg.log_interval_s
         self._summary_rollouts = 0
@@ -252,6 +251,8 @@ class BufferService:
         if threading.current_thread() is threading.main_thread():  # (a test may run it in a thread)
             for sig in (signal.SIGTERM, signal.SIGINT):
                 signal.signal(sig, self._on_signal)
+            # two of the biggest messages may be on their way in at once; past that, see MemoryGuard
+            self.memory = MemoryGuard(2 * self.limits.max_message_bytes)
         print("buffer ready " + " ".join(f"{k}={v}" for k, v in self.endpoints.items()), flush=True)
         log.info("serving %d prompts x %d epochs, %d groups of %d per step, max_staleness %d",
                  self.state.order.n, self.cfg.max_epochs, self.cfg.prompts_per_step,
@@ -266,7 +267,7 @@ class BufferService:
             if self.relay_in in events or self.relay_out in events:
                 self._guarded(self.forward_relay)
             now = time.monotonic()
-            if self.memory.over(now, self._held_bytes):
+            if self.memory is not None and self.memory.over(now, self._held_bytes):
                 self._reset_sockets()
             if now >= self._next_expiry:
                 back = self.state.expire(now)

@@ -49,16 +49,9 @@ def start(task, run_dir: Path, *extra: str) -> subprocess.Popen:
 
 def steps_done(run_dir: Path) -> int:
     """Distinct learner steps in the ledger (a resumed run redoes some)."""
-    path = run_dir / "ledger.jsonl"
-    if not path.exists():
-        return 0
-    steps = set()
-    for line in path.read_text().splitlines():
-        try:
-            steps.add(json.loads(line)["step"])
-        except (ValueError, KeyError):
-            pass
-    return len(steps)
+    from learner.ledger import read_ledger
+
+    return len(read_ledger(run_dir / "ledger.jsonl"))
 
 
 def wait_for(proc: subprocess.Popen, run_dir: Path, steps: int, timeout: float = 600) -> None:

@@ -33,6 +33,7 @@ import shutil
 import socket
 import threading
 import time
+from datetime import timedelta
 from typing import Iterable
 
 from weight_sync import buckets as bk
@@ -51,6 +52,27 @@ def _local_address(host: str, port: int) -> str:
             return s.getsockname()[0]
     except OSError:
         return "127.0.0.1"
+
+
+def _store_server(host: str, timeout_s: float):
+    """The rendezvous store's server, listening on `host` only, on a free port.
+
+    A TCPStore master binds every interface (`::`) whatever host it is given; handed a socket
+    that listens already (`master_listen_fd`, which it then owns), it serves on that one."""
+    import torch.distributed as dist
+
+    family = socket.getaddrinfo(host, 0, type=socket.SOCK_STREAM)[0][0]
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        s.listen(1024)  # every member rank connects at once at the start of a round
+        port = s.getsockname()[1]
+        fd = s.detach()
+    try:
+        return dist.TCPStore(host, port, None, True, timeout=timedelta(seconds=max(timeout_s, 0.1)),
+                             wait_for_workers=False, master_listen_fd=fd)
+    except Exception:
+        os.close(fd)
+        raise
 
 
 class WeightSender:
@@ -222,7 +244,7 @@ class WeightSender:
 
     def _server(self):
         if self._store is None:
-            self._store = open_store(self.advertise_host, 0, self.timeout_s, is_master=True)
+            self._store = _store_server(self.advertise_host, self.timeout_s)
         return self._store
 
     def _client(self, timeout_s: float):

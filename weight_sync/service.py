@@ -25,7 +25,9 @@ that died between rounds costs one join window, not one per round.
 
 from __future__ import annotations
 
+import ctypes
 import logging
+import os
 import threading
 import time
 from dataclasses import dataclass, field
@@ -34,6 +36,7 @@ import zmq
 
 from weight_sync.config import WeightSyncConfig, endpoint
 from weight_sync.messages import (
+    MAX_MESSAGE_BYTES,
     Ack,
     Done,
     Error,
@@ -52,6 +55,7 @@ from weight_sync.messages import (
     Unregister,
     decode,
     encode,
+    short,
 )
 
 log = logging.getLogger("conveyor.weight_sync.service")
@@ -137,7 +141,7 @@ class SyncState:
     def _known(self, worker_id: str, where: str) -> Generator | Error:
         g = self.generators.get(worker_id)
         if g is None:
-            return Error(f"unknown worker {worker_id!r}: register first", f"{where}.worker_id")
+            return Error(f"unknown worker {short(worker_id)}: register first", f"{where}.worker_id")
         g.last_seen = self.clock()
         g.dead = g.absent = False
         return g
@@ -306,32 +310,104 @@ class SyncState:
         }
 
 
-class WeightSyncService:
-    """The ROUTER loop around `SyncState`: one request, one reply, never blocking on anyone."""
+# What the ROUTER queues per peer, in whole messages (libzmq counts messages; MAXMSGSIZE bounds each
+# frame). A peer has one request in flight: more unread replies than this are dropped by the ROUTER.
+HWM = 16
+POLL_MS = 100
 
-    def __init__(self, cfg: WeightSyncConfig, context: zmq.Context | None = None):
+
+class WarnLimiter:
+    """At most one warning per `every_s` per kind; says how many were held back.
+
+    (A copy of `buffer.service.WarnLimiter`: `weight_sync/` and `buffer/` import nothing of the
+    project, so there is no module both may share.)"""
+
+    def __init__(self, every_s: float = 5.0):
+        self.every_s = every_s
+        self._last: dict[str, float] = {}
+        self._held: dict[str, int] = {}
+
+    def warn(self, kind: str, msg: str, *args, exc_info: bool = False) -> None:
+        now = time.monotonic()
+        if now - self._last.get(kind, -1e9) < self.every_s:
+            self._held[kind] = self._held.get(kind, 0) + 1
+            return
+        held = self._held.pop(kind, 0)
+        self._last[kind] = now
+        log.warning(msg + (f" ({held} more since the last warning of this kind)" if held else ""), *args,
+                    exc_info=exc_info)
+
+
+class WeightSyncService:
+    """The ROUTER loop around `SyncState`: one request, one reply, never blocking on anyone.
+
+    Nothing a peer sends stops the loop or makes it hold memory without bound: a malformed request
+    gets an `error` (counted in `malformed`), an unexpected exception one too (`internal_errors`),
+    warnings are rate-limited, frames are capped (MAXMSGSIZE) and so are the messages queued per
+    peer. libzmq cannot bound a multipart message that never ends; when the service runs as a
+    process of its own (`serve`), a memory guard drops every connection past a budget
+    (`memory_resets`; see `buffer.service.MemoryGuard`, of which this is the same rule).
+    """
+
+    def __init__(self, cfg: WeightSyncConfig, context: zmq.Context | None = None, guard_memory: bool = False):
         self.cfg = cfg
         self.state = SyncState(cfg)
+        self.state.counts.update(malformed=0, internal_errors=0, memory_resets=0)
+        self.warnings = WarnLimiter()
         self._ctx = context or zmq.Context.instance()
         self._stop = threading.Event()
         self._ready = threading.Event()
+        self._guard_memory = guard_memory
 
-    def serve_forever(self) -> None:
+    def _bind(self, tries: int = 1) -> zmq.Socket:
         sock = self._ctx.socket(zmq.ROUTER)
         sock.setsockopt(zmq.LINGER, 0)
-        sock.bind(endpoint(self.cfg.host, self.cfg.port))
+        sock.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
+        sock.setsockopt(zmq.RCVHWM, HWM)
+        sock.setsockopt(zmq.SNDHWM, HWM)
+        for attempt in range(tries):  # (binding again: the old listener may take a moment to go)
+            try:
+                sock.bind(endpoint(self.cfg.host, self.cfg.port))
+                return sock
+            except zmq.ZMQError:
+                if attempt + 1 >= tries:
+                    sock.close(0)
+                    raise
+                time.sleep(0.05)
+
+    def serve_forever(self) -> None:
+        sock = self._bind()
         self._ready.set()
         log.info("weight-sync service on %s", endpoint(self.cfg.host, self.cfg.port))
+        # what it keeps on purpose is one manifest (the current version's) and replies carrying it
+        memory = _MemoryBudget(4 * MAX_MESSAGE_BYTES) if self._guard_memory else None
         try:
             while not self._stop.is_set():
-                if not sock.poll(100, zmq.POLLIN):
-                    continue
-                frames = sock.recv_multipart()
-                ident, body = frames[0], frames[1:]
-                reply = self._answer(body)
-                sock.send_multipart([ident, b"", encode(reply)])
+                if sock.poll(POLL_MS, zmq.POLLIN):
+                    self._serve_one(sock)
+                if memory is not None and memory.over():
+                    self.state.counts["memory_resets"] += 1
+                    log.warning("the weight-sync service grew past its memory budget (a peer sending a message "
+                                "that never ends?): dropping every connection; peers reconnect")
+                    sock.close(0)
+                    sock = self._bind(tries=100)
+                    memory.reset()
         finally:
             sock.close(0)
+
+    def _serve_one(self, sock: zmq.Socket) -> None:
+        try:
+            frames = sock.recv_multipart(zmq.NOBLOCK)
+        except zmq.Again:
+            return
+        try:
+            reply = encode(self._answer(frames[1:]))
+        except Exception:  # e.g. a reply that cannot be encoded: still an answer, and the loop goes on
+            self.state.counts["internal_errors"] += 1
+            self.warnings.warn("internal", "weight-sync reply failed", exc_info=True)
+            reply = encode(Error("internal error in the weight-sync service", ""))
+        # a ROUTER never blocks: a reply to a peer past its HWM (it does not read) is dropped
+        sock.send_multipart([frames[0], b"", reply], zmq.NOBLOCK)
 
     def _answer(self, body: list[bytes]):
         try:
@@ -339,13 +415,15 @@ class WeightSyncService:
                 raise ProtocolError("message", f"expected [empty, payload] frames, got {len(body)} frames")
             reply = self.state.handle(decode(body[1]))
         except ProtocolError as e:
+            self.state.counts["malformed"] += 1
             reply = Error(str(e), e.field)
         except Exception as e:  # a bug must not take the service down: answer and keep serving
-            log.exception("weight-sync request failed")
-            reply = Error(f"{type(e).__name__}: {e}", "")
+            self.state.counts["internal_errors"] += 1
+            self.warnings.warn("internal", "weight-sync request failed", exc_info=True)
+            reply = Error(f"{type(e).__name__}: {str(e)[:200]}", "")
         if isinstance(reply, Error):
             self.state.counts["errors"] += 1
-            log.warning("refused a request: %s", reply.message)
+            self.warnings.warn(reply.field or "error", "refused a request: %s", reply.message)
         return reply
 
     def start(self) -> threading.Thread:
@@ -360,11 +438,49 @@ class WeightSyncService:
         self._stop.set()
 
 
+class _MemoryBudget:
+    """Trips when the process is `budget` bytes past its size at start (see `buffer.service.MemoryGuard`:
+    libzmq holds a multipart message's frames until the last one, without bound, and cannot say
+    whose; only dropping the connections frees them). A minimal copy: the packages share no module."""
+
+    def __init__(self, budget: int, every_s: float = 0.25):
+        self.budget, self.every_s = budget, every_s
+        self.base = _rss()
+        self._next = 0.0
+        self._trim = False
+
+    def over(self) -> bool:
+        now = time.monotonic()
+        if now < self._next or not self.base:
+            return False
+        self._next = now + self.every_s
+        if self._trim:  # the socket closed a check ago: libzmq has freed its queues by now
+            self._trim = False
+            try:
+                ctypes.CDLL(None).malloc_trim(0)  # glibc keeps freed heap otherwise
+            except (OSError, AttributeError):
+                pass
+            self.base = max(self.base, _rss())  # what could not be given back stays
+            return False
+        return _rss() > self.base + self.budget
+
+    def reset(self) -> None:
+        self._trim = True
+
+
+def _rss() -> int:
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
 def serve(cfg: WeightSyncConfig) -> None:
     """Run the service until SIGINT/SIGTERM."""
     import signal
 
-    service = WeightSyncService(cfg)
+    service = WeightSyncService(cfg, guard_memory=True)
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: service.stop())
     service.serve_forever()
