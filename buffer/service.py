@@ -78,9 +78,8 @@ class ResumeError(RuntimeError):
 class WarnLimiter:
     """At most one warning per `every_s` per kind; says how many were held back."""
 
-    def __init__(self, every_s: float = 5.0, logger: logging.Logger = log):
+    def __init__(self, every_s: float = 5.0):
         self.every_s = every_s
-        self.log = logger
         self._last: dict[str, float] = {}
         self._held: dict[str, int] = {}
 
@@ -91,8 +90,8 @@ class WarnLimiter:
             return
         held = self._held.pop(kind, 0)
         self._last[kind] = now
-        self.log.warning(msg + (f" ({held} more since the last warning of this kind)" if held else ""), *args,
-                         exc_info=exc_info)
+        log.warning(msg + (f" ({held} more since the last warning of this kind)" if held else ""), *args,
+                    exc_info=exc_info)
 
 
 class MemoryGuard:
@@ -214,9 +213,9 @@ class BufferService:
     def _reset_sockets(self) -> None:
         """Drop every connection (see `MemoryGuard`): close the sockets and bind them again."""
         self.state.counters["memory_resets"] += 1
-        log.warning("the buffer grew %d MB past its budget with nothing accepted to show for it (a peer "
-                    "sending a message that never ends?): dropping every connection; peers reconnect, "
-                    "and what they had in flight is lost", (rss_bytes() - self.memory.base) >> 20)
+        log.warning("the buffer grew %d MB since it started and holds %d MB of rollouts (a peer sending a "
+                    "message that never ends?): dropping every connection; peers reconnect, and what they "
+                    "had in flight is lost", (rss_bytes() - self.memory.base) >> 20, self._held_bytes() >> 20)
         self.close_sockets()
         self._open_sockets(tries=100)
         self.memory.reset()

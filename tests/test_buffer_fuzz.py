@@ -206,3 +206,29 @@ def test_live_buffer_survives_fuzz_and_loses_no_accepted_rollout(tmp_path):
         ingest.close()
         assert b.stop() == 0
     assert "Traceback" not in b.log.read_text()
+
+
+def test_deep_nesting_and_odd_envelope_types_raise_only_protocol_error():
+    # a list nested 1,000 deep (msgpack unpacks up to 1,024; Python's repr recurses too deep past ~1,000)
+    deep = b"\x91" * 1000 + b"\x90"
+
+    def env(**fields):
+        return bytes([0x80 | len(fields)]) + b"".join(msgpack.packb(k) + v for k, v in fields.items())
+
+    bad = [env(v=deep, type=msgpack.packb("scored"), n=msgpack.packb(0)), env(v=msgpack.packb(1), type=deep),
+           env(v=msgpack.packb(1), type=msgpack.packb({"a": 1})), env(v=msgpack.packb(1), type=msgpack.packb([1]))]
+    for frame in bad:
+        try:
+            decode([frame])
+        except ProtocolError as e:
+            assert len(str(e)) < 200  # untrusted values are quoted short
+        else:
+            raise AssertionError("accepted")
+    item = env(rollout=deep, reward=msgpack.packb(0.0), failed=msgpack.packb(False), error=msgpack.packb(""))
+    for check in (lambda: decode_item(item, "scored"), lambda: scored_meta(item, "scored[0]", DEFAULT_LIMITS)):
+        try:
+            check()
+        except ProtocolError:
+            pass
+        else:
+            raise AssertionError("accepted")

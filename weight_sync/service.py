@@ -423,7 +423,7 @@ class WeightSyncService:
             reply = Error(f"{type(e).__name__}: {str(e)[:200]}", "")
         if isinstance(reply, Error):
             self.state.counts["errors"] += 1
-            self.warnings.warn(reply.field or "error", "refused a request: %s", reply.message)
+            self.warnings.warn("refused", "refused a request: %s", reply.message)
         return reply
 
     def start(self) -> threading.Thread:
