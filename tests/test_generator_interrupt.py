@@ -116,6 +116,7 @@ def test_interrupt_mode_loads_weights_into_the_running_batch(tmp_path, tiny_mode
         while len(re.findall(r"lease \d+: ", gen_log.read_text())) < 2:  # the second batch is starting
             assert gen.poll() is None and time.monotonic() < deadline, gen_log.read_text()[-3000:]
             time.sleep(0.01)
+        relay.set_version(1)  # as the learner does: the buffer first, then the weights
         stats = sender.publish(1, load_file(str(seed1_dir / "model.safetensors")).items())
         assert stats["ok"] == ["gen-int"] and stats["failed"] == [], stats
         while len(rollouts) < expected and time.monotonic() < deadline:
