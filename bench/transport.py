@@ -138,14 +138,17 @@ def produce_buffer(port: int, tokens: int, group: int, per_step: int, groups: in
     push.setsockopt(zmq.SNDHWM, 1000)
     push.setsockopt(zmq.LINGER, 10000)
     push.connect(endpoints("127.0.0.1", port)["ingest"])
-    sent = 0
+    sent, weights = 0, 0  # the version of the weights this generator "holds": the last one it was granted at
     while sent < groups:
-        grant = client.lease("bench-producer", max_groups=per_step)
+        grant = client.lease("bench-producer", max_groups=per_step, version=weights)
         if not isinstance(grant, LeaseGrant):
             if grant.done:
                 break
-            time.sleep(0.001)  # admission: the learner has not caught up
+            # admission (the learner has not caught up), or our weights fell out of the staleness window
+            weights = int(client.metrics()["buffer/version"])
+            time.sleep(0.001)
             continue
+        weights = grant.version
         for g in grant.groups:
             # the frames a scorer would push (same bytes as BufferClient.push_scored encodes)
             push.send_multipart(fab.group(g.group_id, grant.lease_id, group, grant.version))
