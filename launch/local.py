@@ -121,31 +121,16 @@ def read_metrics(path: Path) -> list[dict]:
     return rows
 
 
-def launcher_log(run_dir: Path):
-    """`say(msg)`: one line on the terminal (above the progress bar) and in logs/launcher.log."""
-    from tqdm import tqdm
-
-    path = run_dir / "logs" / "launcher.log"
-    path.parent.mkdir(parents=True, exist_ok=True)
-
-    def say(msg: str) -> None:
-        tqdm.write(f"launch.local: {msg}", file=sys.stderr)
-        with open(path, "a") as f:
-            f.write(f"{time.strftime('%Y-%m-%d %H:%M:%S')} {msg}\n")
-
-    return say
-
-
 def run_local(run, quiet: bool = False) -> int:
     """Start every role, wait for the learner to finish, stop everything; returns the exit code.
     With `run.auto_resume`, a crash of a core role starts the whole run again from its checkpoint."""
     from collections import Counter
 
-    from launch.recovery import with_auto_resume, write_exit
+    from launch.recovery import last_checkpoint, launcher_log, with_auto_resume, write_exit
 
     run_dir = Path(run.run.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
-    say = launcher_log(run_dir)
+    say = launcher_log(run_dir, "launch.local")
     started = time.monotonic()
     restarts: Counter[str] = Counter()
 
@@ -158,16 +143,10 @@ def run_local(run, quiet: bool = False) -> int:
     finally:
         signal.signal(signal.SIGTERM, old)
     if code in RESUMABLE:
-        say(f"every role was stopped; to go on from checkpoint {last_checkpoint_name(run_dir)}: the same command "
+        say(f"every role was stopped; to go on from checkpoint {last_checkpoint(run_dir)}: the same command "
             f"with --learner.resume true (or run.auto_resume N to do it by itself)")
     write_exit(run_dir, code, time.monotonic() - started, resumes=resumes, restarts=sum(restarts.values()))
     return code
-
-
-def last_checkpoint_name(run_dir: Path) -> str:
-    from launch.recovery import last_checkpoint
-
-    return last_checkpoint(run_dir)
 
 
 def run_once(run, quiet: bool, say, restarts) -> int:

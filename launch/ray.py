@@ -46,7 +46,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from launch.ray_config import ResourceError, check_resources, fmt_res, load, resolved_text, tie_addresses
-from launch.recovery import EXIT_CODES, RESUMABLE, Stalled
+from launch.recovery import EXIT_CODES, RESUMABLE, Stalled, launcher_log
 
 ROOT = Path(__file__).resolve().parents[1]
 PYTHON = "{python}"  # replaced by the interpreter of the role's actor on its node
@@ -662,23 +662,6 @@ def connect(rcfg) -> bool:
     return True
 
 
-def launcher_log(run_dir: Path) -> Callable[[str], None]:
-    """`say(msg)`: one line on the terminal (above the progress bar) and in logs/launcher.log on the
-    driver's node. launch.local's `launcher_log` under this launcher's name."""
-    from tqdm import tqdm
-
-    path = run_dir / "logs" / "launcher.log"
-
-    def say(msg: str) -> None:
-        tqdm.write(f"launch.ray: {msg}", file=sys.stderr)
-        sys.stderr.flush()
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with open(path, "a") as f:
-            f.write(f"{time.strftime('%Y-%m-%d %H:%M:%S')} {msg}\n")
-
-    return say
-
-
 def attempt_code(go: Callable[[], int], say: Callable[[str], None]) -> int:
     """The exit code of one attempt `go` (launch and supervise), its reason said. Raises FinalExit for
     a failure that must end the run even with resumes left."""
@@ -711,7 +694,7 @@ def run_ray(rcfg, run, config_name: str = "CONFIG", quiet: bool = False) -> int:
 
     run_dir = Path(run.run.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
-    say = launcher_log(run_dir)
+    say = launcher_log(run_dir, "launch.ray")
     started = time.monotonic()
     try:
         own_cluster = connect(rcfg)

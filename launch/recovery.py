@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import json
+import sys
 import time
 from pathlib import Path
 from typing import Callable
@@ -82,6 +83,23 @@ def with_auto_resume(run, attempt: Callable[[], int], say: Callable[[str], None]
         run.learner.resume = True
         say(f"auto-resume {resumes}/{run.run.auto_resume}: exit code {code}; restarting the whole run from "
             f"checkpoint {last_checkpoint(run.run.run_dir)}")
+
+
+def launcher_log(run_dir: str | Path, launcher: str) -> Callable[[str], None]:
+    """`say(msg)`: one line on the terminal (above the progress bar), prefixed `launcher:`, and in
+    `<run_dir>/logs/launcher.log`."""
+    from tqdm import tqdm
+
+    path = Path(run_dir) / "logs" / "launcher.log"
+
+    def say(msg: str) -> None:
+        tqdm.write(f"{launcher}: {msg}", file=sys.stderr)
+        sys.stderr.flush()
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with open(path, "a") as f:
+            f.write(f"{time.strftime('%Y-%m-%d %H:%M:%S')} {msg}\n")
+
+    return say
 
 
 def write_exit(run_dir: Path, code: int, wall_s: float, **counts) -> None:
