@@ -58,8 +58,8 @@ def main() -> None:
     if (os.cpu_count() or 1) < 2:
         raise SystemExit("[bench] needs at least 2 cores to pin the generator and the learner apart")
 
-    from learner.arithmetic import greedy_accuracy, make_problems, warm_start, write_jsonl
-    from learner.tiny_model import build_tiny_model
+    from demo.arithmetic import greedy_accuracy, make_problems, warm_start, write_jsonl
+    from demo.tiny_model import build_tiny_model
 
     out = Path(a.out)
     heldout = make_problems(200, seed=10_000)

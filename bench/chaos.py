@@ -131,8 +131,8 @@ def main() -> None:
     args = ap.parse_args()
 
     from launch.ledger import audit
-    from learner.arithmetic import make_problems, write_jsonl
-    from learner.tiny_model import build_tiny_model
+    from demo.arithmetic import make_problems, write_jsonl
+    from demo.tiny_model import build_tiny_model
 
     out = Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)

@@ -2,7 +2,7 @@
 
     python bench/generation.py [--prompts 32] [--n 4] [--max-tokens 64] [--models tiny,large] [--repeat 3]
 
-Models are built on the fly (learner/tiny_model.py): `tiny` (2 layers, hidden 128) and `large`
+Models are built on the fly (demo/tiny_model.py): `tiny` (2 layers, hidden 128) and `large`
 (8 layers, hidden 512). Each engine gets one untimed warm-up call, then `--repeat` timed
 `generate` calls of n samples for every prompt at temperature 1; the fastest is reported (the
 machine may be shared), with all of them alongside. Generated tokens are counted from the outputs (both
@@ -74,8 +74,8 @@ def main(argv: list[str] | None = None) -> None:
     from safetensors.torch import load_file
     from transformers import AutoTokenizer
 
-    from learner.arithmetic import make_problems
-    from learner.tiny_model import build_tiny_model
+    from demo.arithmetic import make_problems
+    from demo.tiny_model import build_tiny_model
 
     prompts = [row["prompt"] for row in make_problems(a.prompts, seed=a.seed)]
     results = []

@@ -130,7 +130,7 @@ def main() -> None:
     import torch
     from safetensors.torch import load_file
 
-    from learner.tiny_model import build_tiny_model
+    from demo.tiny_model import build_tiny_model
     from weight_sync.config import WeightSyncConfig
     from weight_sync.sender import WeightSender
     from weight_sync.service import WeightSyncService

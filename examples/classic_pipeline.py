@@ -3,7 +3,7 @@
     python examples/classic_pipeline.py [--quick] [--out DIR] [--seed N] [--sft.KEY V] [--rm.KEY V] [--section.KEY V]
 
 1. SFT (`python -m launch.sft`): the tiny Llama learns two-digit addition with reversed answer
-   digits (learner/arithmetic.py) from prompt/response rows, stopped while it is only partly right;
+   digits (demo/arithmetic.py) from prompt/response rows, stopped while it is only partly right;
 2. reward model (`python -m launch.rm`): started from the SFT folder, trained with the Bradley-Terry
    loss on pairs "right answer preferred over a wrong one", the wrong ones being the SFT model's own
    sampled mistakes (what PPO will show it) topped up with synthetic ones;
@@ -116,7 +116,7 @@ def sample_mistakes(model_dir: Path, problems: list[dict], n: int, seed: int) ->
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from learner.arithmetic import answer_of
+    from demo.arithmetic import answer_of
 
     torch.manual_seed(seed)
     tok = AutoTokenizer.from_pretrained(model_dir)
@@ -188,8 +188,8 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     torch.set_num_threads(1)  # sampling and greedy checks of a tiny model: one thread is fastest on a busy CPU
-    from learner.arithmetic import greedy_accuracy, make_problems, write_jsonl
-    from learner.tiny_model import build_tiny_model, build_tokenizer
+    from demo.arithmetic import greedy_accuracy, make_problems, write_jsonl
+    from demo.tiny_model import build_tiny_model, build_tokenizer
 
     heldout = make_problems(knobs["heldout"], seed=10_000 + seed)
     train = make_problems(knobs["train_prompts"], seed=seed, exclude={p["prompt"] for p in heldout})

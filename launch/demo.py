@@ -119,8 +119,8 @@ def main(argv: list[str] | None = None) -> int:
         shutil.rmtree(run_dir)
     data_dir = run_dir / "data"
 
-    from learner.arithmetic import greedy_accuracy, make_problems, warm_start, write_jsonl
-    from learner.tiny_model import build_tiny_model, build_tokenizer
+    from demo.arithmetic import greedy_accuracy, make_problems, warm_start, write_jsonl
+    from demo.tiny_model import build_tiny_model, build_tokenizer
 
     heldout = make_problems(demo["heldout"], seed=10_000 + demo["seed"])
     train = make_problems(demo["train_prompts"], seed=demo["seed"], exclude={p["prompt"] for p in heldout})

@@ -25,7 +25,7 @@ os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory) -> Path:
     """The default tiny Llama (2 layers, hidden 128, head_dim 64) and its character tokenizer."""
-    from learner.tiny_model import build_tiny_model
+    from demo.tiny_model import build_tiny_model
 
     return build_tiny_model(tmp_path_factory.mktemp("tiny_model"), seed=0)
 

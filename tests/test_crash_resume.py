@@ -34,7 +34,7 @@ SMALL = ["--buffer.prompts_per_step", "4", "--buffer.n_samples_per_prompt", "4",
 
 @pytest.fixture(scope="module")
 def task(tmp_path_factory, tiny_model_dir):
-    from learner.arithmetic import make_problems, write_jsonl
+    from demo.arithmetic import make_problems, write_jsonl
 
     d = tmp_path_factory.mktemp("crash")
     return {"dir": d, "prompts": write_jsonl(make_problems(2000, seed=0), d / "train.jsonl"), "model": tiny_model_dir}

@@ -8,7 +8,7 @@ import pytest
 
 from learner.datasets import DatasetError, load_examples, load_splits
 from learner.offline_config import DPOConfig, RMConfig, SFTConfig
-from learner.tiny_model import build_tokenizer, vocab
+from demo.tiny_model import build_tokenizer, vocab
 
 V = vocab()
 BOS, EOS = V["<s>"], V["</s>"]

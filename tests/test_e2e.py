@@ -28,8 +28,8 @@ WARM_STEPS = 375  # the demo's warm start: ~25% held-out greedy accuracy, room f
 @pytest.fixture(scope="module")
 def warm_setup(tmp_path_factory):
     """The demo's data and warm-started model (the same functions `launch.demo` uses)."""
-    from learner.arithmetic import greedy_accuracy, make_problems, warm_start, write_jsonl
-    from learner.tiny_model import build_tiny_model
+    from demo.arithmetic import greedy_accuracy, make_problems, warm_start, write_jsonl
+    from demo.tiny_model import build_tiny_model
 
     d = tmp_path_factory.mktemp("e2e")
     heldout = make_problems(200, seed=10_000)
@@ -110,7 +110,7 @@ def test_async_run_reward_rises_within_the_staleness_bound(async_run, warm_setup
     assert seen <= max_staleness, f"a trained sample was {seen} versions old (bound {max_staleness})"
     assert any(r["buffer/staleness_max"] == 1 for r in rows), "async mode never ran ahead of the learner"
 
-    from learner.arithmetic import greedy_accuracy
+    from demo.arithmetic import greedy_accuracy
 
     final = async_run["dir"] / "checkpoints" / "step_40"
     acc = greedy_accuracy(str(final), warm_setup["heldout"])

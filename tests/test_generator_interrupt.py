@@ -84,7 +84,7 @@ def test_interrupt_mode_loads_weights_into_the_running_batch(tmp_path, tiny_mode
     from safetensors.torch import load_file
 
     from learner.modeling import load_causal_lm
-    from learner.tiny_model import build_tiny_model
+    from demo.tiny_model import build_tiny_model
     from weight_sync.client import GeneratorSyncClient
     from weight_sync.config import WeightSyncConfig
     from weight_sync.sender import WeightSender

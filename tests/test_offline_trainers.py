@@ -1,7 +1,7 @@
 """The offline trainers on the tiny model, in-process (a world of one), and their command lines.
 
 SFT memorises a few answers; DPO and the reward model learn right-over-wrong preferences of the
-arithmetic task (learner/arithmetic.py) and generalise them to held-out problems.
+arithmetic task (demo/arithmetic.py) and generalise them to held-out problems.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 
-from learner.arithmetic import make_problems, warm_start, write_jsonl
+from demo.arithmetic import make_problems, warm_start, write_jsonl
 from learner.metrics import read_metrics
 from learner.offline_config import DPOConfig, RMConfig, SFTConfig
 from tests.conftest import ROOT, free_port_block, subprocess_env

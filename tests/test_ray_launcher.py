@@ -226,8 +226,8 @@ def cluster_address(cluster) -> str:
 @pytest.fixture(scope="module")
 def demo(cluster, tmp_path_factory):
     """The demo's inputs as launch.demo builds them: prompts, held-out set, tiny model, warm start."""
-    from learner.arithmetic import make_problems, warm_start, write_jsonl
-    from learner.tiny_model import build_tiny_model, build_tokenizer
+    from demo.arithmetic import make_problems, warm_start, write_jsonl
+    from demo.tiny_model import build_tiny_model, build_tokenizer
 
     out = tmp_path_factory.mktemp("ray_demo")
     heldout = make_problems(50, seed=10_000)

@@ -10,7 +10,7 @@ import textwrap
 import pytest
 import torch
 
-from learner.tiny_model import CHARACTERS, SPECIAL_TOKENS, build_tiny_model, vocab
+from demo.tiny_model import CHARACTERS, SPECIAL_TOKENS, build_tiny_model, vocab
 from tests.conftest import ROOT, subprocess_env
 
 

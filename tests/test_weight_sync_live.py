@@ -101,7 +101,7 @@ def greedy(model_dir: Path, prompt_ids: list[list[int]], n: int) -> list[list[in
 
 @pytest.fixture(scope="module")
 def seed1_model_dir(tmp_path_factory) -> Path:
-    from learner.tiny_model import build_tiny_model
+    from demo.tiny_model import build_tiny_model
 
     return build_tiny_model(tmp_path_factory.mktemp("tiny_model_seed1"), seed=1)
 

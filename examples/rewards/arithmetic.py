@@ -1,4 +1,4 @@
-"""A sample reward function for the arithmetic task (learner/arithmetic.py): exact match.
+"""A sample reward function for the arithmetic task (demo/arithmetic.py): exact match.
 
 Use it with `python -m launch.scorer --scorer.kinds reward_fn --scorer.reward_fn examples/rewards/arithmetic.py`.
 The scorer calls `reward_fn` with whole batches; it must return one finite float per sample.

@@ -100,7 +100,7 @@ def build_tiny_model(
     model.save_pretrained(path, safe_serialization=True)
     tokenizer.save_pretrained(path)
     # generation_config.json from save_pretrained carries the special ids; vLLM reads it for defaults.
-    meta = {"builder": "conveyor.learner.tiny_model", "seed": seed, "num_layers": num_layers, "hidden_size": hidden_size}
+    meta = {"builder": "conveyor.demo.tiny_model", "seed": seed, "num_layers": num_layers, "hidden_size": hidden_size}
     (path / "conveyor_tiny.json").write_text(json.dumps(meta, indent=2) + "\n")
     return path
 

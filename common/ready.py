@@ -1,0 +1,37 @@
+"""The explicit ready signal: a role says it is ready by writing a small JSON file, and the
+launcher that started it waits for that file (never for a log line).
+
+The launcher passes the path in `CONVEYOR_READY_FILE`; a role started by hand has none and
+`mark_ready` does nothing. The file is written whole (temporary file, then rename), so a reader
+never sees half of it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+
+ENV = "CONVEYOR_READY_FILE"
+
+
+def mark_ready(role: str, **info) -> Path | None:
+    """Write `{"role", "pid", "time", **info}` to the path in $CONVEYOR_READY_FILE, if there is one."""
+    path = os.environ.get(ENV)
+    if not path:
+        return None
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + f".{os.getpid()}.tmp")
+    tmp.write_text(json.dumps({"role": role, "pid": os.getpid(), "time": time.time(), **info}))
+    os.replace(tmp, path)
+    return path
+
+
+def read_ready(path: str | os.PathLike) -> dict | None:
+    """The ready record at `path`, or None while there is none."""
+    try:
+        return json.loads(Path(path).read_text())
+    except (OSError, ValueError):
+        return None
