@@ -10,7 +10,7 @@ launcher; a learner, buffer or weight-sync kill restarts the whole run from its 
 trained twice, none lost, no rollout newer than the step it trained (negative staleness).
 
 Prints progress to stderr and, last, one JSON line on stdout: kills, restarts, resumes,
-reached_total_steps, groups_lost, groups_trained_twice, negative_staleness_steps, wall_s,
+attempt_codes (each whole-run start's exit code, from exit.json), reached_total_steps, groups_lost, groups_trained_twice, negative_staleness_steps, wall_s,
 clean_wall_s, overhead (wall_s / clean_wall_s).
 """
 
@@ -152,6 +152,7 @@ def main() -> None:
         "killed": [f"{role}@{at}" for at, role in chaos["kills"]],
         "restarts": exit_info.get("restarts"),
         "resumes": exit_info.get("resumes"),
+        "attempt_codes": exit_info.get("attempts"),
         "exit_code": chaos["code"],
         "reached_total_steps": chaos["code"] == 0 and report["steps"] == args.steps and not report["missing_steps"],
         "groups_lost": report.get("groups_lost"),

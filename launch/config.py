@@ -1,227 +1,100 @@
-"""Run configuration: one YAML file, a section per role, dotted command-line overrides.
+"""How each role's entry point reads its config, and where the addresses are tied together.
 
-Each package declares its own dataclass (`buffer.config.BufferConfig`, ...); this module only fills
-them. Values are checked against the field types, unknown keys are errors that suggest the closest
-known key, and each config's own `validate()` runs the cross-field checks.
+The parsing itself (`Section`, dotted overrides, aliases, the suggester, `--help`) is
+`common.config`, re-exported here for the launchers. What this module adds knows the roles:
+
+- `tie_addresses`: the one place a role that dials the buffer or the weight-sync service gets
+  their addresses (`BufferAddress`, `WeightSyncAddress` sections) from the `buffer:` and
+  `weight_sync:` sections: in a composed run always, for a role started alone only where its own
+  section leaves them unset.
+- `role_main_config`: `[CONFIG] [--section.key VALUE ...]` for one role, `--help` included.
 
 Light on purpose: no torch, vllm or deepspeed here, so every `--help` answers at once.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import difflib
-import types
-import typing
-from pathlib import Path
-from typing import Any, Sequence
+import sys
+from typing import Any, Iterable, Mapping, Sequence
+
+from buffer.config import BufferAddress, BufferConfig
+from common.config import (Alias, ConfigError, Section, apply_flags, build, ignored, is_set, load_section,
+                           parse_bool, parse_overrides, read_yaml, renames, render_help, section_help,
+                           set_dotted, split_argv, suggest, wants_help)
+from weight_sync.config import WeightSyncAddress, WeightSyncConfig
+
+__all__ = ["Alias", "ConfigError", "Section", "apply_flags", "bf16", "build", "config_help", "dump", "help_or_usage", "ignored",
+           "is_set", "load_section", "parse_bool", "parse_overrides", "read_yaml", "renames", "render_help",
+           "role_main_config", "set_dotted", "split_argv", "suggest", "tie_addresses", "wants_help"]
 
 
-class ConfigError(ValueError):
-    """A config file or flag that cannot be used; the message quotes the bad key and value."""
+def help_or_usage(argv: Sequence[str], text) -> None:
+    """An entry point given no arguments or `-h`/`--help` prints `text()` and exits (0 when asked, 2 when bare)."""
+    if not argv or argv[0] in ("-h", "--help"):
+        print(text().rstrip())
+        sys.exit(0 if argv else 2)
 
 
-def _closest(key: str, known: Sequence[str]) -> str:
-    near = difflib.get_close_matches(key, list(known), n=1, cutoff=0.5)
-    return f" (did you mean {near[0]!r}?)" if near else ""
+def tie_addresses(roles: Iterable[Section], buffer: BufferConfig | None, weight_sync: WeightSyncConfig | None,
+                  only_unset: bool = False) -> None:
+    """Write the buffer's and the weight-sync service's addresses into every role that dials them.
+
+    `only_unset`: leave the keys a role's own section set (a role started alone by hand)."""
+    for cfg in roles:
+        pairs = []
+        if buffer is not None and isinstance(cfg, BufferAddress):
+            pairs += [("buffer_host", buffer.host), ("buffer_port", buffer.port)]
+        if weight_sync is not None and isinstance(cfg, WeightSyncAddress):
+            pairs += [("weight_sync_host", weight_sync.host), ("weight_sync_port", weight_sync.port)]
+        for key, value in pairs:
+            if not (only_unset and key in cfg.model_fields_set):
+                setattr(cfg, key, value)
 
 
-def _convert(value: Any, tp: Any, where: str) -> Any:
-    """Coerce `value` (from YAML or a command-line string) to the annotated type `tp`."""
-    origin = typing.get_origin(tp)
-    args = typing.get_args(tp)
-    if origin in (typing.Union, types.UnionType):
-        if value is None or (isinstance(value, str) and value.lower() in ("none", "null", "~")):
-            if type(None) in args:
-                return None
-        errors = []
-        for a in args:
-            if a is type(None):
-                continue
-            try:
-                return _convert(value, a, where)
-            except ConfigError as e:
-                errors.append(str(e))
-        raise ConfigError(errors[0] if errors else f"{where}: cannot use {value!r}")
-    if tp is Any:
-        return value
-    if origin in (list, tuple):
-        if isinstance(value, str):
-            value = [v for v in value.split(",") if v != ""]
-        if not isinstance(value, (list, tuple)):
-            raise ConfigError(f"{where}: expected a list, got {value!r}")
-        inner = args[0] if args else Any
-        return [_convert(v, inner, f"{where}[{i}]") for i, v in enumerate(value)]
-    if origin is dict or tp is dict:
-        if isinstance(value, str):
-            import yaml
+def role_main_config(cls: type[Section], section: str, argv: Sequence[str] | None, doc: str,
+                     prog: str = "", flags: Sequence[str] = ()) -> tuple[Any, str | None, dict[str, bool]]:
+    """(config, CONFIG path, the role's own boolean `flags`) from `[CONFIG] [--section.key VALUE ...]`.
 
-            value = yaml.safe_load(value)
-        if not isinstance(value, dict):
-            raise ConfigError(f"{where}: expected a mapping, got {value!r}")
-        return dict(value)
-    if typing.get_origin(tp) is typing.Literal:
-        if value not in args:
-            raise ConfigError(f"{where}: {value!r} is not one of {list(args)}")
-        return value
-    if tp is bool:
-        if isinstance(value, bool):
-            return value
-        if isinstance(value, str) and value.lower() in ("1", "true", "yes", "on"):
-            return True
-        if isinstance(value, str) and value.lower() in ("0", "false", "no", "off"):
-            return False
-        raise ConfigError(f"{where}: expected true/false, got {value!r}")
-    if tp is int:
-        if isinstance(value, bool):
-            raise ConfigError(f"{where}: expected an integer, got {value!r}")
-        try:
-            f = float(value)
-        except (TypeError, ValueError):
-            raise ConfigError(f"{where}: expected an integer, got {value!r}") from None
-        if f != int(f):
-            raise ConfigError(f"{where}: expected an integer, got {value!r}")
-        return int(f)
-    if tp is float:
-        if isinstance(value, bool):
-            raise ConfigError(f"{where}: expected a number, got {value!r}")
-        try:
-            return float(value)
-        except (TypeError, ValueError):
-            raise ConfigError(f"{where}: expected a number, got {value!r}") from None
-    if tp is str:
-        if isinstance(value, (dict, list)):
-            raise ConfigError(f"{where}: expected a string, got {value!r}")
-        return str(value)
-    if dataclasses.is_dataclass(tp):
-        if not isinstance(value, dict):
-            raise ConfigError(f"{where}: expected a mapping, got {value!r}")
-        return build(tp, value, where)
-    return value
-
-
-def build(cls: type, values: dict | None, where: str) -> Any:
-    """An instance of dataclass `cls` from a (possibly nested) mapping; unknown keys are errors."""
-    values = values or {}
-    if not isinstance(values, dict):
-        raise ConfigError(f"{where}: expected a mapping, got {values!r}")
-    hints = typing.get_type_hints(cls)
-    fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
-    kwargs = {}
-    for key, value in values.items():
-        if key not in fields:
-            raise ConfigError(f"{where}: unknown key {key!r}{_closest(key, fields)}")
-        kwargs[key] = _convert(value, hints[key], f"{where}.{key}")
+    `--help` prints `doc` and every key of the section, then exits 0; a bad config prints the
+    problem and exits 2. A role that dials the buffer takes its address from the file's `buffer:`
+    section unless its own section sets it."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    prog = prog or f"launch.{section}"
+    if wants_help(argv):
+        print(render_help(doc, {section: cls}, own=section), end="")
+        sys.exit(0)
+    path, rest = split_argv(argv)
+    own_flags = {f"--{f}" for f in flags}
+    given = {f: f"--{f}" in rest for f in flags}
+    rest = [a for a in rest if a not in own_flags]
     try:
-        return cls(**kwargs)
-    except TypeError as e:
-        raise ConfigError(f"{where}: {e}") from None
+        cfg = load_section(cls, section, path, rest, complete=False)
+        if isinstance(cfg, BufferAddress):
+            tree = read_yaml(path)
+            tie_addresses([cfg], build(BufferConfig, _address_keys(tree.get("buffer"))), None, only_unset=True)
+        cfg.validate()
+    except ConfigError as e:
+        print(f"{prog}: {e}", file=sys.stderr)
+        sys.exit(2)
+    return cfg, path, given
 
 
-def parse_overrides(argv: Sequence[str]) -> dict[str, str]:
-    """`--a.b 1 --c=2 --flag` -> {"a.b": "1", "c": "2", "flag": "true"}."""
-    out: dict[str, str] = {}
-    i = 0
-    argv = list(argv)
-    while i < len(argv):
-        arg = argv[i]
-        if not arg.startswith("--"):
-            raise ConfigError(f"unexpected argument {arg!r}: overrides look like --section.key VALUE")
-        key = arg[2:]
-        if "=" in key:
-            key, value = key.split("=", 1)
-        elif i + 1 < len(argv) and not argv[i + 1].startswith("--"):
-            value = argv[i + 1]
-            i += 1
-        else:
-            value = "true"
-        out[key.replace("-", "_")] = value
-        i += 1
-    return out
+def _address_keys(sub: Any) -> dict:
+    """Only the address of another role's section: its other keys are that role's business."""
+    return {k: sub[k] for k in ("host", "port") if isinstance(sub, Mapping) and k in sub}
 
 
-def set_dotted(tree: dict, dotted: str, value: Any) -> None:
-    node = tree
-    parts = dotted.split(".")
-    for p in parts[:-1]:
-        nxt = node.setdefault(p, {})
-        if not isinstance(nxt, dict):
-            raise ConfigError(f"--{dotted}: {p!r} is not a section")
-        node = nxt
-    node[parts[-1]] = value
+def bf16(v: str) -> str:
+    """OpenRLHF's `--bf16 [BOOL]` as a `dtype`."""
+    return "bfloat16" if parse_bool(v) else "float32"
 
 
-def read_yaml(path: str | Path | None) -> dict:
-    if not path:
-        return {}
-    import yaml
-
-    p = Path(path)
-    if not p.is_file():
-        raise ConfigError(f"config file {str(p)!r} not found")
-    try:
-        data = yaml.safe_load(p.read_text()) or {}
-    except yaml.YAMLError as e:
-        raise ConfigError(f"{p}: not valid YAML: {e}") from None
-    if not isinstance(data, dict):
-        raise ConfigError(f"{p}: the top level must be a mapping of sections")
-    return data
+def config_help(cls: type[Section], section: str) -> str:
+    """Every key of `cls` with its default, type and doc (kept for callers of the old name)."""
+    return "\n".join(section_help(cls, section))
 
 
-def load_section(cls: type, section: str, config_path: str | Path | None, overrides: Sequence[str] | dict) -> Any:
-    """One role's config: section `section` of the YAML file, then `--section.key VALUE` overrides.
+def dump(cfg: Section) -> dict:
+    """A section as plain data (for logging and saving the resolved config)."""
+    return cfg.to_dict()
 
-    Overrides may name the key with or without the section (`--buffer.port 1` or `--port 1`).
-    Other sections of the file are ignored (they belong to other roles).
-    """
-    tree = read_yaml(config_path).get(section) or {}
-    if not isinstance(tree, dict):
-        raise ConfigError(f"{config_path}: section {section!r} must be a mapping")
-    tree = dict(tree)
-    ov = overrides if isinstance(overrides, dict) else parse_overrides(overrides)
-    for key, value in ov.items():
-        sub = key[len(section) + 1:] if key.startswith(section + ".") else key
-        set_dotted(tree, sub, value)
-    cfg = build(cls, tree, section)
-    if hasattr(cfg, "validate"):
-        try:
-            cfg.validate()
-        except ValueError as e:
-            raise ConfigError(str(e)) from None
-    return cfg
-
-
-def field_docs(cls: type) -> dict[str, str]:
-    """The string literal under each field of dataclass `cls` (its doc comment), read from the source."""
-    import ast
-    import inspect
-    import textwrap
-
-    docs = {}
-    body = ast.parse(textwrap.dedent(inspect.getsource(cls))).body[0].body
-    for node, nxt in zip(body, body[1:]):
-        if (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)
-                and isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant)
-                and isinstance(nxt.value.value, str)):
-            docs[node.target.id] = " ".join(nxt.value.value.split())
-    return docs
-
-
-def config_help(cls: type, section: str) -> str:
-    """Every key of dataclass `cls` with its type, default and doc comment (a role's `--help` epilog)."""
-    import textwrap
-
-    docs, hints, defaults = field_docs(cls), typing.get_type_hints(cls), cls()
-    lines = [f"config keys (YAML section `{section}:`, or --{section}.KEY VALUE):"]
-    for f in dataclasses.fields(cls):
-        tp = hints[f.name]
-        tp = tp.__name__ if isinstance(tp, type) else str(tp).replace("typing.", "")
-        # the instance's value, not f.default: fields with a default_factory have no f.default
-        lines.append(f"  --{section}.{f.name} {tp}  (default: {getattr(defaults, f.name)!r})")
-        lines += textwrap.wrap(docs.get(f.name, ""), 96, initial_indent=" " * 6, subsequent_indent=" " * 6)
-    return "\n".join(lines)
-
-
-def dump(cfg: Any) -> dict:
-    """A dataclass as plain data (for logging and saving the resolved config)."""
-    return dataclasses.asdict(cfg)

@@ -21,14 +21,14 @@ from __future__ import annotations
 
 import sys
 
-from launch.sft import COMMON_ALIASES, _warn_ignored, offline_main
+from launch.config import Alias, ignored, parse_bool, renames
+from launch.sft import COMMON_ALIASES, offline_main
 
 DPO_ALIASES = {
     **COMMON_ALIASES,
-    "ipo": ("loss", lambda v: "ipo" if str(v).lower() in ("1", "true", "yes", "on") else "sigmoid"),
-    "nll_loss_coef": ("nll_coef", str),
-    "ref_pretrain": ("ref_path", str),
-    "ref_offload": (None, _warn_ignored("ref_offload", "use --ref_mode precompute to free the reference model")),
+    "ipo": Alias(("loss",), lambda v: "ipo" if parse_bool(v) else "sigmoid"),
+    **renames(nll_loss_coef="nll_coef", ref_pretrain="ref_path"),
+    "ref_offload": ignored("use --ref_mode precompute to free the reference model"),
 }
 
 

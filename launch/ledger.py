@@ -65,9 +65,9 @@ def audit(run_dir: str | Path, state_dir: str | Path | None = None) -> dict:
 
 def main(argv: list[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if not argv or argv[0] in ("-h", "--help"):
-        print(__doc__.strip())
-        sys.exit(0 if argv else 2)
+    from launch.config import help_or_usage
+
+    help_or_usage(argv, lambda: __doc__.strip())
     run_dir = argv.pop(0)
     state_dir = None
     if argv[:1] == ["--state-dir"] and len(argv) > 1:

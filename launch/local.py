@@ -1,7 +1,10 @@
 """Every role of a run on this machine: `python -m launch.local CONFIG [--section.key VALUE ...]`.
 
-Starts the buffer, the weight-sync service, the learner ranks, G generators and S scorers as
-separate supervised processes. Each role's output goes to `<run_dir>/logs/<role>.log`; the terminal
+Starts the buffer, the weight-sync service, S scorers, G generators and the learner ranks (the
+processes of launch/roles.py, in that order) as separate supervised processes; the buffer, the
+weight-sync service and the learner each write a ready file before the next role starts (never a
+log line: see common/ready.py). Each role's output goes to `<run_dir>/logs/<role>.log`, and
+`<run_dir>/status.json` says where every role stands (state, pid, restarts, ready); the terminal
 gets a progress bar with a one-line status (step, reward, staleness, throughput). Ctrl-C or any
 required role's failure stops every process (whole process groups: no orphans, no leaked ports),
 and the exit code says what failed:
@@ -25,7 +28,6 @@ launch/run_config.py for the full list.
 from __future__ import annotations
 
 import json
-import os
 import signal
 import sys
 import time
@@ -34,42 +36,11 @@ from pathlib import Path
 from launch.recovery import EXIT_CODES, RESUMABLE
 
 
-def role_env(threads: int) -> dict[str, str]:
-    root = str(Path(__file__).resolve().parents[1])
-    env = {"PYTHONPATH": root + os.pathsep + os.environ.get("PYTHONPATH", ""), "PYTHONUNBUFFERED": "1",
-           "TOKENIZERS_PARALLELISM": "false"}
-    env.setdefault("VLLM_CPU_KVCACHE_SPACE", os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"))
-    if threads:
-        env.update(OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads))
-    return env
+def plan_roles(run) -> list:
+    """The processes of the run in start order (launch/roles.py), with launch.local's restart policy."""
+    from launch.roles import RestartPolicy, plan
 
-
-def pinned(argv: list[str], cpus: str) -> list[str]:
-    return ["taskset", "-c", cpus, *argv] if cpus else argv
-
-
-def plan_roles(run, config_path: Path) -> dict[str, list]:
-    """The processes of the run, by kind, in start order."""
-    from launch.supervisor import Role
-
-    py, cfg, r = sys.executable, str(config_path), run.run
-    env = role_env(r.threads_per_role)
-    if r.learner_ranks > 1:
-        learner_argv = [py, "-m", "torch.distributed.run", "--nproc_per_node", str(r.learner_ranks),
-                        "--master_port", str(run.weight_sync.port + 1), "-m", "launch.learner", cfg]
-    else:
-        learner_argv = [py, "-m", "launch.learner", cfg]
-    return {
-        "buffer": [Role("buffer", [py, "-m", "launch.buffer", cfg], env, ready_line="buffer ready")],
-        "weight_sync": [Role("weight_sync", [py, "-m", "launch.weight_sync", cfg], env, ready_line="weight-sync service on")],
-        "scorer": [Role(f"scorer-{i}", [py, "-m", "launch.scorer", cfg, "--scorer.worker_id", f"scorer-{i}"], env,
-                        required=False) for i in range(r.num_scorers)],
-        "generator": [Role(f"generator-{i}", pinned([py, "-m", "launch.generator", cfg, "--generator.worker_id",
-                                                     f"gen-{i}", "--generator.seed", str(run.generator.seed + i)],
-                                                    r.generator_cpus), env, required=False)
-                      for i in range(r.num_generators)],
-        "learner": [Role("learner", pinned(learner_argv, r.learner_cpus), env, ready_line="learner ready")],
-    }
+    return plan(run, "local", RestartPolicy(run.run.max_restarts, run.run.restart_delay_s))
 
 
 class Status:
@@ -133,19 +104,22 @@ def run_local(run, quiet: bool = False) -> int:
     say = launcher_log(run_dir, "launch.local")
     started = time.monotonic()
     restarts: Counter[str] = Counter()
+    codes: list[int] = []  # each attempt's exit code
 
     def on_sigterm(signum, frame):
         raise KeyboardInterrupt
 
     old = signal.signal(signal.SIGTERM, on_sigterm)
     try:
-        code, resumes = with_auto_resume(run, lambda: run_once(run, quiet, say, restarts), say)
+        code, resumes = with_auto_resume(run, lambda: run_once(run, quiet, say, restarts), say, codes)
     finally:
         signal.signal(signal.SIGTERM, old)
+    reason = say.last if code else ""
     if code in RESUMABLE:
         say(f"every role was stopped; to go on from checkpoint {last_checkpoint(run_dir)}: the same command "
             f"with --learner.resume true (or run.auto_resume N to do it by itself)")
-    write_exit(run_dir, code, time.monotonic() - started, resumes=resumes, restarts=sum(restarts.values()))
+    write_exit(run_dir, code, time.monotonic() - started, resumes=resumes, restarts=sum(restarts.values()),
+               attempts=codes, reason=reason)
     return code
 
 
@@ -153,6 +127,7 @@ def run_once(run, quiet: bool, say, restarts) -> int:
     """One start of the whole run: every role up, supervised until the learner exits; the exit code."""
     from launch.ports import free_port_block
     from launch.recovery import ProgressWatch, Stalled, buffer_diagnosis
+    from launch.roles import write_status
     from launch.run_config import assign_ports, write_resolved
     from launch.supervisor import RoleFailed, Supervisor
 
@@ -160,17 +135,23 @@ def run_once(run, quiet: bool, say, restarts) -> int:
     run_dir = Path(r.run_dir)
     assign_ports(run, r.base_port or free_port_block(6))
     config_path = write_resolved(run, run_dir / "config.yaml")
-    roles = plan_roles(run, config_path)
     started = time.monotonic()
     status = None
-    sup = Supervisor(run_dir / "logs")
+    sup = Supervisor(run_dir / "logs", run_dir / "ready", restarts=restarts, say=say)
+    launched = False
+
+    def report(**extra) -> None:
+        write_status(run_dir, {"launcher": "launch.local", "buffer": f"{run.buffer.host}:{run.buffer.port}",
+                               "weight_sync": f"{run.weight_sync.host}:{run.weight_sync.port}",
+                               "resumed": bool(run.learner.resume), "launched": launched, "roles": sup.status(),
+                               **extra})
+
     try:
-        with sup:
-            sup.start(roles["buffer"][0], r.ready_timeout_s)
-            sup.start(roles["weight_sync"][0])
-            for role in roles["scorer"] + roles["generator"]:
-                sup.start(role)
-            learner = sup.start(roles["learner"][0], r.ready_timeout_s)
+        try:
+            for spec in plan_roles(run):
+                learner = sup.start(spec, config_path)
+            launched = True
+            report()
             print(f"run {run_dir}: {r.mode}, {r.num_generators} generator(s), {r.num_scorers} scorer(s), "
                   f"{r.learner_ranks} learner rank(s){', resumed' if run.learner.resume else ''}; logs in "
                   f"{run_dir / 'logs'}", file=sys.stderr, flush=True)
@@ -178,40 +159,20 @@ def run_once(run, quiet: bool, say, restarts) -> int:
             watch = ProgressWatch(run_dir / "metrics.jsonl", r.stall_timeout_s,
                                   lambda: buffer_diagnosis(run.buffer.host, run.buffer.port),
                                   first_grace_s=r.ready_timeout_s)
-            dead_since: dict[str, float] = {}
-
-            def heal(helpers: list) -> None:
-                """Restart dead generators/scorers; raise once every one of them is gone for good."""
-                now = time.monotonic()
-                for role in helpers:
-                    code = role.returncode
-                    if code is None or code == 0:  # running, or done (the buffer said so)
-                        continue
-                    seen = dead_since.setdefault(role.name, now)
-                    if restarts[role.name] < r.max_restarts and now - seen >= r.restart_delay_s:
-                        restarts[role.name] += 1
-                        say(f"{role.name} exited with code {code}; restart {restarts[role.name]}/{r.max_restarts}")
-                        sup.restart(role, f"launch.local: restart {restarts[role.name]} of {r.max_restarts} "
-                                          f"after exit code {code}")
-                        del dead_since[role.name]
-                gone = [x for x in helpers if x.returncode is not None
-                        and (x.returncode == 0 or restarts[x.name] >= r.max_restarts)]
-                if len(gone) == len(helpers):
-                    kind = helpers[0].name.split("-")[0]
-                    raise RoleFailed(kind, helpers[0].returncode, helpers[0].log_path,
-                                     f"every {kind} has exited (restarts used: "
-                                     f"{', '.join(f'{x.name} {restarts[x.name]}' for x in helpers)})")
 
             def tick():
                 if status:
                     status.tick()
-                heal(roles["generator"])
-                heal(roles["scorer"])
+                report()
                 if r.max_wall_s and time.monotonic() - started > r.max_wall_s:
-                    raise RoleFailed("learner", None, learner.log_path, f"run exceeded run.max_wall_s={r.max_wall_s}")
+                    raise RoleFailed("learner", None, learner.log_path,
+                                     f"run exceeded run.max_wall_s={r.max_wall_s}")
                 watch.check()
 
             sup.wait(learner, on_tick=tick)
+        finally:
+            sup.stop()
+            report(finished=True)
         code = 0
     except Stalled as e:
         say(f"stalled: {e}")
@@ -220,7 +181,7 @@ def run_once(run, quiet: bool, say, restarts) -> int:
         say(str(e))
         code = EXIT_CODES.get(e.role.split("-")[0], 1)
     except KeyboardInterrupt:
-        print("launch.local: interrupted, stopping every role", file=sys.stderr)
+        say("interrupted, stopping every role")
         code = 130
     finally:
         if status:
@@ -230,9 +191,10 @@ def run_once(run, quiet: bool, say, restarts) -> int:
 
 def main(argv: list[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if not argv or argv[0] in ("-h", "--help"):
-        print(__doc__.strip())
-        sys.exit(0 if argv else 2)
+    from launch.config import help_or_usage
+    from launch.run_config import run_help
+
+    help_or_usage(argv, lambda: run_help(__doc__))
     from launch.config import ConfigError
     from launch.run_config import load_run_config
 

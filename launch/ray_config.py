@@ -18,12 +18,15 @@ resource, instead of waiting forever for a placement group).
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import tempfile
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Sequence
+from typing import ClassVar, Literal, Sequence
+
+from pydantic import Field
+
+from launch.config import ConfigError, Section, apply_flags, build, parse_overrides, read_yaml, render_help
+from launch.config import tie_addresses as _tie
 
 STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
 
@@ -32,17 +35,16 @@ class ResourceError(RuntimeError):
     """The cluster cannot give what the config asks for; the message names the role and the resource."""
 
 
-@dataclass
-class RoleResources:
+class RoleResources(Section):
     """What one process of a role reserves on its node (Ray's logical resources)."""
 
-    num_cpus: float = 1.0
+    num_cpus: float = Field(1.0, ge=0)
     """CPUs reserved per process (a generator: per engine; a learner: per rank)."""
-    num_gpus: float = 0.0
+    num_gpus: float = Field(0.0, ge=0)
     """GPUs per process; a generator reserves num_gpus x generator.tensor_parallel_size, on one node."""
-    memory_gb: float = 0.0
+    memory_gb: float = Field(0.0, ge=0)
     """Host memory reserved per process in GiB (0: none; Ray's memory resource)."""
-    strategy: str = "PACK"
+    strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = "PACK"
     """How the role's placement group lays out its bundles (learner ranks; the generators started
     with the run): PACK (as few nodes as fit), SPREAD (different nodes where possible),
     STRICT_PACK (one node), STRICT_SPREAD (one node each)."""
@@ -60,9 +62,10 @@ def _small() -> RoleResources:
     return RoleResources(num_cpus=0.5)
 
 
-@dataclass
-class RayConfig:
+class RayConfig(Section):
     """Section `ray:` of the run config (only `launch.ray` reads it)."""
+
+    section: ClassVar[str] = "ray"
 
     address: str = ""
     """Cluster to join (`auto`, `HOST:6379`, `ray://HOST:10001`); empty: $RAY_ADDRESS, else a new
@@ -73,54 +76,42 @@ class RayConfig:
     """Ray namespace of the run's actors (the controller is found there by `launch.ray scale`)."""
     run_name: str = ""
     """Name of the run's controller actor (`launch.ray scale --run NAME`); empty: run.run_dir's last part."""
-    buffer: RoleResources = field(default_factory=_small)
+    buffer: RoleResources = Field(default_factory=_small)
     """The replay buffer (one process; ZeroMQ and msgpack, no accelerator)."""
-    weight_sync: RoleResources = field(default_factory=_small)
+    weight_sync: RoleResources = Field(default_factory=_small)
     """The weight-sync control service (one small process)."""
-    generator: RoleResources = field(default_factory=RoleResources)
+    generator: RoleResources = Field(default_factory=RoleResources)
     """Each generator (one vLLM engine; its tensor-parallel workers share its bundle, so one node)."""
-    scorer: RoleResources = field(default_factory=RoleResources)
+    scorer: RoleResources = Field(default_factory=RoleResources)
     """Each scorer (a reward model or a reference model wants num_gpus: 1 on GPU clusters)."""
-    learner: RoleResources = field(default_factory=RoleResources)
+    learner: RoleResources = Field(default_factory=RoleResources)
     """Each learner rank (one DeepSpeed process; num_gpus: 1 per rank on GPU clusters)."""
-    max_restarts: int = 3
+    max_restarts: int = Field(3, ge=0)
     """Times a generator or a scorer is started again after it died (each, over the run)."""
     restart_delay_s: float = 2.0
     """Pause before such a restart (its leases expire meanwhile and are issued again)."""
-    placement_timeout_s: float = 120.0
+    placement_timeout_s: float = Field(120.0, gt=0)
     """How long placement groups may wait for resources (e.g. an autoscaler adding nodes) before
     the run fails; a request no node of the cluster can ever hold fails at once."""
     check_resources: bool = True
     """Refuse at once a request that no alive node (or the cluster as a whole) can hold; off for
     autoscaling clusters whose nodes appear on demand."""
-    poll_s: float = 1.0
+    poll_s: float = Field(1.0, gt=0)
     """How often the driver checks the roles and the controller (scale requests)."""
 
     def roles(self) -> dict[str, RoleResources]:
         return {"buffer": self.buffer, "weight_sync": self.weight_sync, "generator": self.generator,
                 "scorer": self.scorer, "learner": self.learner}
 
-    def validate(self) -> None:
+    def problems(self) -> list[str]:
         errs = []
         for name, r in self.roles().items():
-            if r.num_cpus < 0 or r.num_gpus < 0 or r.memory_gb < 0:
-                errs.append(f"ray.{name}: num_cpus={r.num_cpus}, num_gpus={r.num_gpus}, memory_gb={r.memory_gb} "
-                            "must be >= 0")
             if r.num_gpus > 1 and r.num_gpus != int(r.num_gpus):
                 errs.append(f"ray.{name}.num_gpus={r.num_gpus}: above 1 it must be a whole number")
             if not (r.num_cpus or r.num_gpus or r.memory_gb):
                 errs.append(f"ray.{name}: reserves nothing (num_cpus, num_gpus and memory_gb all 0); "
                             "give it at least a fraction of a CPU")
-            if r.strategy not in STRATEGIES:
-                errs.append(f"ray.{name}.strategy={r.strategy!r} must be one of {list(STRATEGIES)}")
-        if self.max_restarts < 0:
-            errs.append(f"ray.max_restarts={self.max_restarts} must be >= 0")
-        if self.placement_timeout_s <= 0:
-            errs.append(f"ray.placement_timeout_s={self.placement_timeout_s} must be > 0")
-        if self.poll_s <= 0:
-            errs.append(f"ray.poll_s={self.poll_s} must be > 0")
-        if errs:
-            raise ValueError("; ".join(errs))
+        return errs
 
 
 def split_ray_section(config_path: str | Path | None, argv: Sequence[str]) -> tuple[RayConfig, dict, list[str]]:
@@ -129,35 +120,22 @@ def split_ray_section(config_path: str | Path | None, argv: Sequence[str]) -> tu
     `launch.run_config` does not know section `ray:`, so it is taken out here before the rest of
     the file and the flags go to `load_run_config`.
     """
-    from launch.config import ConfigError, build, parse_overrides, read_yaml, set_dotted
-
     tree = read_yaml(config_path)
     ray_tree = tree.pop("ray", None) or {}
     if not isinstance(ray_tree, dict):
         raise ConfigError(f"{config_path}: section 'ray' must be a mapping")
+    mine: list[str] = []
     rest: list[str] = []
     argv = list(argv)
     i = 0
     while i < len(argv):
-        a = argv[i]
-        if a.startswith("--ray."):
-            key, eq, val = a[2:].partition("=")
-            if not eq:
-                if i + 1 < len(argv) and not argv[i + 1].startswith("--"):
-                    i += 1
-                    val = argv[i]
-                else:
-                    val = "true"
-            set_dotted(ray_tree, key.split(".", 1)[1].replace("-", "_"), val)
-        else:
-            rest.append(a)
-        i += 1
+        takes_value = "=" not in argv[i] and i + 1 < len(argv) and not argv[i + 1].startswith("--")
+        (mine if argv[i].startswith("--ray.") else rest).extend(argv[i:i + 1 + takes_value])
+        i += 1 + takes_value
     parse_overrides(rest)  # the flags' shape is checked now; their keys by load_run_config
-    cfg: Any = build(RayConfig, ray_tree, "ray")
-    try:
-        cfg.validate()
-    except ValueError as e:
-        raise ConfigError(str(e)) from None
+    sub = {"ray": ray_tree}
+    apply_flags(sub, mine, {"ray": RayConfig})
+    cfg = build(RayConfig, sub["ray"], "ray", complete=True)
     return cfg, tree, rest
 
 
@@ -185,29 +163,32 @@ def absolute_paths(run) -> None:
     """Roles run in other processes, maybe on other nodes, from another folder: make the run's
     folders and every path that exists from here absolute (the same path must hold on each node)."""
     for cfg in run.sections().values():
-        for f in dataclasses.fields(cfg):
-            v = getattr(cfg, f.name)
+        for name in type(cfg).model_fields:
+            v = getattr(cfg, name)
             if not isinstance(v, str) or not v or os.path.isabs(v) or "://" in v:
                 continue
-            if f.name.endswith("_dir") or Path(v).exists():
-                setattr(cfg, f.name, str(Path(v).resolve()))
+            if name.endswith("_dir") or Path(v).exists():
+                setattr(cfg, name, str(Path(v).resolve()))
 
 
 def tie_addresses(run) -> None:
     """Every role that dials the buffer or the weight-sync service gets their discovered addresses
     (what run_config.finish does for these fields, without re-deriving the others)."""
-    b, w = run.buffer, run.weight_sync
-    for sec in (run.generator, run.scorer, run.learner):
-        sec.buffer_host, sec.buffer_port = b.host, b.port
-    for sec in (run.generator, run.learner):
-        sec.weight_sync_host, sec.weight_sync_port = w.host, w.port
+    _tie((run.generator, run.scorer, run.learner), run.buffer, run.weight_sync)
+
+
+def ray_help(doc: str) -> str:
+    """`launch.ray --help`: every section of the run config, `ray:` included, and the aliases."""
+    from launch.run_config import ALIASES, section_classes
+
+    return render_help(doc, {**section_classes(), "ray": RayConfig}, ALIASES)
 
 
 def resolved_text(run, rcfg) -> str:
     import yaml
 
     return ("# resolved by launch.ray: every role reads its section of this file\n"
-            + yaml.safe_dump({**run.to_dict(), "ray": dataclasses.asdict(rcfg)}, sort_keys=False))
+            + yaml.safe_dump({**run.to_dict(), "ray": rcfg.to_dict()}, sort_keys=False))
 
 
 # --------------------------------------------------------------------------------------------

@@ -71,12 +71,16 @@ def last_checkpoint(run_dir: str | Path) -> str:
         return "none yet: from step 0"
 
 
-def with_auto_resume(run, attempt: Callable[[], int], say: Callable[[str], None]) -> tuple[int, int]:
+def with_auto_resume(run, attempt: Callable[[], int], say: Callable[[str], None],
+                     codes: list[int] | None = None) -> tuple[int, int]:
     """Run `attempt()` (one start of the whole run; exit code) again with `learner.resume` set after a
-    learner, buffer or weight-sync crash, up to `run.run.auto_resume` times. Returns (code, resumes)."""
+    learner, buffer or weight-sync crash, up to `run.run.auto_resume` times. Returns (code, resumes);
+    each attempt's code is appended to `codes`."""
     resumes = 0
     while True:
         code = attempt()
+        if codes is not None:
+            codes.append(code)
         if code not in RESUMABLE or resumes >= run.run.auto_resume:
             return code, resumes
         resumes += 1
@@ -85,22 +89,30 @@ def with_auto_resume(run, attempt: Callable[[], int], say: Callable[[str], None]
             f"checkpoint {last_checkpoint(run.run.run_dir)}")
 
 
-def launcher_log(run_dir: str | Path, launcher: str) -> Callable[[str], None]:
+class LauncherLog:
     """`say(msg)`: one line on the terminal (above the progress bar), prefixed `launcher:`, and in
-    `<run_dir>/logs/launcher.log`."""
-    from tqdm import tqdm
+    `<run_dir>/logs/launcher.log`; `say.last` is the last line said (an exit's reason)."""
 
-    path = Path(run_dir) / "logs" / "launcher.log"
+    def __init__(self, run_dir: str | Path, launcher: str):
+        self.path = Path(run_dir) / "logs" / "launcher.log"
+        self.launcher = launcher
+        self.last = ""
 
-    def say(msg: str) -> None:
-        tqdm.write(f"{launcher}: {msg}", file=sys.stderr)
+    def __call__(self, msg: str) -> None:
+        from tqdm import tqdm
+
+        self.last = msg
+        tqdm.write(f"{self.launcher}: {msg}", file=sys.stderr)
         sys.stderr.flush()
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with open(path, "a") as f:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.path, "a") as f:
             f.write(f"{time.strftime('%Y-%m-%d %H:%M:%S')} {msg}\n")
 
-    return say
+
+launcher_log = LauncherLog
 
 
 def write_exit(run_dir: Path, code: int, wall_s: float, **counts) -> None:
+    """`<run_dir>/exit.json`: the code, the wall time and what the launcher counted (resumes,
+    restarts, each attempt's code, the reason of a failure)."""
     (Path(run_dir) / "exit.json").write_text(json.dumps({"code": code, "wall_s": wall_s, **counts}) + "\n")

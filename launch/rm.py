@@ -1,27 +1,26 @@
 """Reward-model training (Bradley-Terry): `python -m launch.rm [CONFIG] [--rm.KEY VALUE ...]`.
 
-Several ranks with either launcher (DeepSpeed over NCCL on GPUs, gloo on CPU):
+The `rm:` section of CONFIG fills learner.offline_config.RMConfig; a key is overridden as
+`--rm.KEY VALUE`, `--KEY VALUE`, or with OpenRLHF's `train_rm` flags (`--pretrain`, `--dataset`,
+`--chosen_key`, `--rejected_key`, `--max_len`, `--micro_train_batch_size`, `--train_batch_size`,
+`--learning_rate`, `--bf16`, `--save_path`, `--save_steps`, `--logging_steps`, `--max_epochs`, ...).
+On several ranks, `deepspeed --num_gpus 2 --module launch.rm rm.yaml` or `torchrun
+--nproc_per_node 2 -m launch.rm rm.yaml` (NCCL on GPUs, gloo on CPU).
 
-    deepspeed --num_gpus 2 --module launch.rm rm.yaml --rm.zero_stage 3
-    torchrun --nproc_per_node 2 -m launch.rm rm.yaml
-
-CONFIG is a YAML file whose `rm:` section fills learner.offline_config.RMConfig; overrides are
-`--rm.KEY VALUE` or `--KEY VALUE`. OpenRLHF's `train_rm` flags are accepted with the same meaning
-(`--pretrain`, `--dataset`, `--chosen_key`, `--rejected_key`, `--max_len`, `--micro_train_batch_size`,
-`--train_batch_size`, `--learning_rate`, `--bf16`, `--save_path`, `--save_steps`, `--logging_steps`,
-`--max_epochs`, ...). The saved folder is an AutoModelForSequenceClassification (num_labels=1,
-pad_token_id set) that the scorer's `reward_model` kind loads as it is (`scorer.reward_model: DIR`).
+The saved folder is an AutoModelForSequenceClassification (num_labels=1, pad_token_id set) that
+the scorer's `reward_model` kind loads as it is (`scorer.reward_model: DIR`).
 """
 
 from __future__ import annotations
 
 import sys
 
-from launch.sft import COMMON_ALIASES, _warn_ignored, offline_main
+from launch.config import ignored
+from launch.sft import COMMON_ALIASES, offline_main
 
 RM_ALIASES = {
     **COMMON_ALIASES,
-    "value_head_prefix": (None, _warn_ignored("value_head_prefix", "the head is the architecture's own `score` layer")),
+    "value_head_prefix": ignored("the head is the architecture's own `score` layer"),
 }
 
 

@@ -16,29 +16,31 @@ role can be started alone from the resolved file.
 
 from __future__ import annotations
 
-import dataclasses
-import difflib
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, Sequence
+from typing import Any, ClassVar, Literal, Sequence
 
-from launch.config import ConfigError, build, parse_overrides, read_yaml, set_dotted
+from pydantic import Field, field_validator
+
+from launch.config import (Alias, ConfigError, Section, apply_flags, bf16, build, is_set, read_yaml, renames,
+                           render_help, suggest, tie_addresses)
 
 
-@dataclass
-class RunConfig:
+class RunConfig(Section):
     """Section `run:`: what the local launcher starts and where it writes."""
+
+    section: ClassVar[str] = "run"
 
     run_dir: str = "runs/run"
     """Folder for logs (one file per role), metrics, checkpoints and the resolved config."""
     mode: Literal["async", "sync"] = "async"
     """`async`: generators run ahead of the learner within `buffer.max_staleness` versions.
     `sync`: lockstep (generate a batch, score, train, sync weights, repeat): max_staleness is forced to 0."""
-    num_generators: int = 1
+    num_generators: int = Field(1, ge=1)
     """Generator processes (each one vLLM engine of `generator.tensor_parallel_size` workers)."""
-    num_scorers: int = 1
+    num_scorers: int = Field(1, ge=1)
     """Scorer processes sharing the scoring work."""
-    learner_ranks: int = 1
+    learner_ranks: int = Field(1, ge=1)
     """DeepSpeed learner ranks (started with torchrun when more than one)."""
     base_port: int = 0
     """First of the 5 consecutive ports the run uses (buffer: 4, weight sync: 1); 0 picks free ones."""
@@ -52,34 +54,25 @@ class RunConfig:
     """OMP/MKL threads per process (0: leave the libraries' defaults)."""
     ready_timeout_s: float = 600.0
     """How long a role may take to start (vLLM engines and DeepSpeed take tens of seconds on CPU)."""
-    auto_resume: int = 0
+    auto_resume: int = Field(0, ge=0)
     """After a learner, buffer or weight-sync crash, restart the whole run from its last checkpoint
     by itself, up to this many times (said on the terminal and in logs/launcher.log); 0: stop with
     the role's exit code and the command that resumes."""
-    max_restarts: int = 3
+    max_restarts: int = Field(3, ge=0)
     """launch.local: times each generator or scorer is started again after it dies (launch.ray
     uses ray.max_restarts)."""
-    restart_delay_s: float = 2.0
+    restart_delay_s: float = Field(2.0, ge=0)
     """Seconds between a generator's or scorer's death and its restart."""
-    stall_timeout_s: float = 1200.0
+    stall_timeout_s: float = Field(1200.0, ge=0)
     """Stop the run (exit code 8) when the learner finishes no step for this many seconds, and say
     why (the buffer's diagnosis); 0: never."""
 
-    def validate(self) -> None:
-        errs = []
-        for name in ("num_generators", "num_scorers", "learner_ranks"):
-            if getattr(self, name) < 1:
-                errs.append(f"run.{name}={getattr(self, name)} must be >= 1")
-        if self.base_port and not 1024 <= self.base_port < 65530:
-            errs.append(f"run.base_port={self.base_port} must be 0 or in [1024, 65530)")
-        for name in ("auto_resume", "max_restarts"):
-            if getattr(self, name) < 0:
-                errs.append(f"run.{name}={getattr(self, name)} must be >= 0")
-        for name in ("restart_delay_s", "stall_timeout_s"):
-            if getattr(self, name) < 0:
-                errs.append(f"run.{name}={getattr(self, name)} must be >= 0")
-        if errs:
-            raise ValueError("; ".join(errs))
+    @field_validator("base_port")
+    @classmethod
+    def _base_port(cls, port: int) -> int:
+        if port and not 1024 <= port < 65530:
+            raise ValueError("must be 0 or in [1024, 65530)")
+        return port
 
 
 def section_classes() -> dict[str, type]:
@@ -92,7 +85,7 @@ def section_classes() -> dict[str, type]:
             "learner": LearnerConfig, "weight_sync": WeightSyncConfig}
 
 
-# OpenRLHF quick-start flag -> (dotted keys it sets, value transform)
+# OpenRLHF quick-start flags, with the same meaning here
 def _estimator(v: str) -> str:
     names = {"group_norm": "grpo", "grpo": "grpo", "dr_grpo": "dr_grpo", "rloo": "rloo", "gae": "gae",
              "reinforce": "reinforce_pp", "reinforce_baseline": "rloo", "reinforce_pp": "reinforce_pp"}
@@ -101,32 +94,29 @@ def _estimator(v: str) -> str:
     return names[v]
 
 
-ALIASES: dict[str, tuple[tuple[str, ...], Any]] = {
-    "pretrain": (("learner.model_path", "generator.model"), str),
-    "reward_pretrain": (("scorer.reward_model",), str),
-    "save_path": (("run.run_dir",), str),
-    "micro_train_batch_size": (("learner.micro_train_batch_size",), int),
-    "train_batch_size": (("learner.train_batch_size",), int),
-    "micro_rollout_batch_size": (("generator.groups_per_lease",), int),
-    "rollout_batch_size": (("buffer.prompts_per_step",), int),
-    "n_samples_per_prompt": (("buffer.n_samples_per_prompt",), int),
-    "max_epochs": (("learner.ppo_epochs",), int),
-    "num_episodes": (("buffer.max_epochs",), int),
-    "prompt_max_len": (("generator.prompt_max_len",), int),
-    "generate_max_len": (("generator.max_new_tokens",), int),
-    "learning_rate": (("learner.lr",), float),
-    "actor_learning_rate": (("learner.lr",), float),
-    "critic_learning_rate": (("learner.critic_lr",), float),
-    "init_kl_coef": (("learner.kl_coef",), float),
-    "vllm_num_engines": (("run.num_generators",), int),
-    "vllm_tensor_parallel_size": (("generator.tensor_parallel_size",), int),
-    "advantage_estimator": (("learner.advantage_estimator",), _estimator),
-    "prompt_data": (("buffer.prompts",), str),
-    "seed": (("learner.seed", "generator.seed"), int),
-    "temperature": (("generator.temperature", "learner.temperature"), float),
-    "zero_stage": (("learner.zero_stage",), int),
-    "bf16": (("learner.dtype",), lambda v: "bfloat16" if str(v).lower() in ("1", "true", "yes") else "float32"),
+ALIASES: dict[str, Alias] = {
+    **renames(pretrain=("learner.model_path", "generator.model"), reward_pretrain="scorer.reward_model",
+              save_path="run.run_dir", micro_rollout_batch_size="generator.groups_per_lease",
+              n_samples_per_prompt="buffer.n_samples_per_prompt", max_epochs="learner.ppo_epochs",
+              num_episodes="buffer.max_epochs", prompt_max_len="generator.prompt_max_len",
+              generate_max_len="generator.max_new_tokens", learning_rate="learner.lr",
+              actor_learning_rate="learner.lr", critic_learning_rate="learner.critic_lr",
+              init_kl_coef="learner.kl_coef", vllm_num_engines="run.num_generators",
+              vllm_tensor_parallel_size="generator.tensor_parallel_size", prompt_data="buffer.prompts",
+              seed=("learner.seed", "generator.seed"), temperature=("generator.temperature", "learner.temperature"),
+              zero_stage="learner.zero_stage"),
+    # OpenRLHF counts samples: resolved against n_samples_per_prompt and the ranks in `finish`
+    "micro_train_batch_size": Alias(("extra.micro_train_batch_size",), int),
+    "train_batch_size": Alias(("extra.train_batch_size",), int),
+    "rollout_batch_size": Alias(("buffer.prompts_per_step", "extra.rollout_batch_size")),
+    "advantage_estimator": Alias(("learner.advantage_estimator",), _estimator),
+    "bf16": Alias(("learner.dtype",), bf16),
 }
+
+
+def run_help(doc: str) -> str:
+    """`--help` of a launcher that reads the whole run config: every section's keys, the aliases."""
+    return render_help(doc, section_classes(), ALIASES)
 
 
 @dataclass
@@ -139,14 +129,14 @@ class Run:
     scorer: Any
     learner: Any
     weight_sync: Any
-    extra: dict = field(default_factory=dict)  # OpenRLHF batch-size aliases, resolved in `finish`
+    extra: dict = field(default_factory=dict)  # OpenRLHF sample counts, resolved in `finish`
     explicit: dict = field(default_factory=dict)  # the keys the user set (file + flags), as a tree
 
     def sections(self) -> dict[str, Any]:
         return {name: getattr(self, name) for name in section_classes()}
 
     def to_dict(self) -> dict:
-        return {name: dataclasses.asdict(cfg) for name, cfg in self.sections().items()}
+        return {name: cfg.to_dict() for name, cfg in self.sections().items()}
 
     def stale_state(self) -> str:
         """Why starting this run would mix with an earlier one in the same folder ("" when it would not)."""
@@ -163,65 +153,36 @@ def load_run_config(path: str | Path | None, argv: Sequence[str] = ()) -> Run:
     tree = read_yaml(path)
     for name in tree:
         if name not in classes:
-            raise ConfigError(f"{path}: unknown section {name!r}{_suggest(name, classes)}")
-    extra: dict[str, int] = {}
-    for key, value in parse_overrides(argv).items():
-        if "." in key:
-            section = key.split(".", 1)[0]
-            if section not in classes:
-                raise ConfigError(f"--{key}: unknown section {section!r}{_suggest(section, classes)}")
-            set_dotted(tree, key, value)
-            continue
-        if key not in ALIASES:
-            known = list(ALIASES) + [f"{s}.{f.name}" for s, c in classes.items() for f in dataclasses.fields(c)]
-            raise ConfigError(f"unknown flag --{key}{_suggest(key, known)}")
-        targets, conv = ALIASES[key]
-        try:
-            value = conv(value)
-        except (TypeError, ValueError):
-            raise ConfigError(f"--{key}: cannot use {value!r}") from None
-        for t in targets:
-            if t in ("learner.micro_train_batch_size", "learner.train_batch_size"):
-                extra[t.split(".", 1)[1]] = value
-            else:
-                set_dotted(tree, t, value)
-    built = {}
-    for name, cls in classes.items():
-        sub = tree.get(name) or {}
-        if not isinstance(sub, dict):
-            raise ConfigError(f"section {name!r} must be a mapping, got {sub!r}")
-        built[name] = build(cls, sub, name)
+            raise ConfigError(f"{path}: unknown section {name!r}{suggest(name, list(classes))}")
+    extra = apply_flags(tree, argv, classes, ALIASES)
+    built = {name: build(cls, tree.get(name), name) for name, cls in classes.items()}
     run = Run(**built, extra=extra, explicit=tree)
     finish(run, explicit=tree)
     return run
 
 
-def _suggest(key: str, known) -> str:
-    near = difflib.get_close_matches(key, list(known), n=1, cutoff=0.5)
-    return f" (did you mean {near[0]!r}?)" if near else ""
-
-
-def _explicit(tree: dict, dotted: str) -> bool:
-    node: Any = tree
-    for p in dotted.split("."):
-        if not isinstance(node, dict) or p not in node:
-            return False
-        node = node[p]
-    return True
-
-
 def finish(run: Run, explicit: dict | None = None) -> None:
-    """Tie the sections together (addresses, policy, run folder) and run every cross-field check."""
+    """Tie the sections together (addresses, policy, run folder) and run every cross-field check.
+
+    Idempotent: each derived value is computed from keys `finish` never writes (the aliases in
+    `run.extra`, the sample counts, what the user set), so applying it again changes nothing."""
     explicit = explicit or {}
     r, b, g, s, l, w = run.run, run.buffer, run.generator, run.scorer, run.learner, run.weight_sync
     if run.extra:
-        # OpenRLHF counts samples: train_batch_size samples per step, micro_train_batch_size per forward
+        # OpenRLHF counts samples: train_batch_size per optimizer step, micro_train_batch_size per
+        # forward. With --rollout_batch_size (prompts per step) a step holds several optimizer steps.
         n = b.n_samples_per_prompt
         if "train_batch_size" in run.extra:
             tbs = run.extra["train_batch_size"]
-            if tbs % n:
+            if "rollout_batch_size" in run.extra:
+                if tbs < 1 or (b.prompts_per_step * n) % tbs:
+                    raise ConfigError(f"--train_batch_size={tbs} does not divide the {b.prompts_per_step * n} "
+                                      f"samples of a step (--rollout_batch_size x n_samples_per_prompt)")
+                l.num_mini_batches = b.prompts_per_step * n // tbs
+            elif tbs % n:
                 raise ConfigError(f"--train_batch_size={tbs} is not a multiple of n_samples_per_prompt={n}")
-            b.prompts_per_step = tbs // n
+            else:
+                b.prompts_per_step = tbs // n
         if "micro_train_batch_size" in run.extra:
             per_rank = b.prompts_per_step * n // r.learner_ranks
             micro = run.extra["micro_train_batch_size"]
@@ -244,11 +205,8 @@ def finish(run: Run, explicit: dict | None = None) -> None:
     l.run_dir = str(Path(r.run_dir))
     if not b.state_dir:
         b.state_dir = str(Path(r.run_dir) / "buffer_state")
-    g.buffer_host = s.buffer_host = l.buffer_host = b.host
-    g.buffer_port = s.buffer_port = l.buffer_port = b.port
-    g.weight_sync_host = l.weight_sync_host = w.host
-    g.weight_sync_port = l.weight_sync_port = w.port
-    if not _explicit(explicit, "learner.temperature"):
+    tie_addresses((g, s, l), b, w)
+    if not is_set(explicit, "learner.temperature"):
         l.temperature = g.temperature if g.temperature > 0 else 1.0
     if l.kl_coef > 0 and not s.reference:
         s.reference = l.model_path
@@ -258,12 +216,11 @@ def finish(run: Run, explicit: dict | None = None) -> None:
         s.kinds = [*s.kinds, "reward_model"]
 
     errors = []
-    for name, cfg in run.sections().items():
-        if hasattr(cfg, "validate"):
-            try:
-                cfg.validate()
-            except ValueError as e:
-                errors.append(str(e))
+    for cfg in run.sections().values():
+        try:
+            cfg.validate()
+        except ConfigError as e:
+            errors.append(str(e))
     if not l.model_path:
         errors.append("no policy: set learner.model_path (or --pretrain)")
     elif not Path(l.model_path).is_dir():
@@ -291,7 +248,6 @@ def assign_ports(run: Run, base: int) -> None:
     """Buffer on base..base+3, weight sync on base+4, written into every section that dials them."""
     run.buffer.port = base
     run.weight_sync.port = base + 4
-    run.extra = {}  # already applied; applying twice would divide twice
     finish(run, explicit=run.explicit)
 
 

@@ -1,7 +1,8 @@
 """Scorer: `python -m launch.scorer [CONFIG] [--scorer.key VALUE ...]`.
 
-Reads section `scorer:` of CONFIG (see actors/config.py for every key); the buffer's address
-defaults to the file's `buffer:` section. Example:
+Scores rollouts (rewards, reference log-probs) for the buffer. Reads section `scorer:` of CONFIG
+(see actors/config.py for every key); the buffer's address defaults to the file's `buffer:`
+section. Example:
 
     python -m launch.scorer run.yaml --scorer.kinds reward_fn,reference \\
         --scorer.reward_fn examples/rewards/arithmetic.py --scorer.reference /tmp/tiny
@@ -15,9 +16,9 @@ import sys
 
 def main(argv: list[str] | None = None) -> None:
     from actors.config import ScorerConfig
-    from launch.generator import role_config
+    from launch.config import role_main_config
 
-    cfg = role_config(ScorerConfig, "scorer", argv, "Score rollouts (rewards, reference log-probs) for the buffer.")
+    cfg, _, _ = role_main_config(ScorerConfig, "scorer", argv, __doc__)
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
                         format="%(asctime)s scorer %(levelname)s %(message)s")
     from actors.scorer import run_scorer

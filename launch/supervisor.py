@@ -1,36 +1,49 @@
-"""Supervised role processes: start them, send each one's output to its own log, stop them all.
+"""`launch.local`'s supervision: start each role of the plan (launch/roles.py), heal the ones that
+may die, stop them all.
 
-Every role runs in its own session (process group), so stopping a role also stops what it spawned
-(vLLM's engine core, DeepSpeed's ranks) and nothing is orphaned. The first role to fail stops the
-rest, and the failure names the role and its exit code.
+Every role runs in its own session (launch/process.py), so stopping a role also stops what it
+spawned (vLLM's engine core, DeepSpeed's ranks) and nothing is orphaned. A role whose spec waits for
+readiness must write its ready file before the next one starts. A generator or scorer that exits
+with an error is started again after its restart delay, while it has restarts left; the first
+required role to fail, or every generator (every scorer) gone for good, stops the run with a
+`RoleFailed` that names the role and its exit code.
 """
 
 from __future__ import annotations
 
-import os
-import signal
-import subprocess
 import time
-from dataclasses import dataclass, field
+from collections import Counter
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Sequence
+
+from launch.process import Process
+from launch.roles import RoleSpec, State, after_exit, gone_for_good
 
 
 @dataclass
 class Role:
-    """One supervised process."""
+    """One supervised process of the run: its spec, its process, where it stands."""
 
-    name: str
-    argv: list[str]
-    env: dict[str, str] | None = None
-    ready_line: str | None = None  # text the log must show before the role counts as started
-    required: bool = True  # its failure stops the run (generators and scorers may be optional)
-    proc: subprocess.Popen | None = field(default=None, repr=False)
-    log_path: Path | None = None
+    spec: RoleSpec
+    proc: Process
+    config: str  # the resolved config it reads
+    state: State = State.NEW
+    code: int | None = None
+    restart_at: float = 0.0
+    starts: int = 0
+
+    @property
+    def name(self) -> str:
+        return self.spec.name
+
+    @property
+    def log_path(self) -> Path:
+        return self.proc.log_path
 
     @property
     def returncode(self) -> int | None:
-        return None if self.proc is None else self.proc.poll()
+        return self.proc.poll()
 
 
 class RoleFailed(RuntimeError):
@@ -40,113 +53,106 @@ class RoleFailed(RuntimeError):
         super().__init__(f"role {role!r} exited with code {code}{where}{': ' + detail if detail else ''}")
 
 
-def tail(path: Path | None, n: int = 20) -> str:
-    if path is None or not path.exists():
-        return ""
-    lines = path.read_text(errors="replace").splitlines()
-    return "\n".join(lines[-n:])
-
-
 class Supervisor:
-    """Starts roles, watches them, stops them; use as a context manager so every exit path cleans up."""
+    """Starts roles, heals them, stops them; use as a context manager so every exit path cleans up.
+    `restarts` counts each role's restarts and may be shared by several supervisors (the attempts
+    of one run under `run.auto_resume`): the budget is per run."""
 
-    def __init__(self, log_dir: str | Path, grace_s: float = 10.0):
-        self.log_dir = Path(log_dir)
+    def __init__(self, log_dir: str | Path, ready_dir: str | Path, grace_s: float = 10.0,
+                 restarts: Counter | None = None, say: Callable[[str], None] = print):
+        self.log_dir, self.ready_dir = Path(log_dir), Path(ready_dir)
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self.grace_s = grace_s
+        self.restarts: Counter[str] = Counter() if restarts is None else restarts
+        self.say = say
         self.roles: list[Role] = []
 
-    def start(self, role: Role, ready_timeout_s: float = 300.0) -> Role:
-        role.log_path = self.log_dir / f"{role.name}.log"
-        log = open(role.log_path, "ab", buffering=0)
-        env = {**os.environ, **(role.env or {})}
-        role.proc = subprocess.Popen(role.argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                     env=env, start_new_session=True)
-        log.close()
-        if role not in self.roles:
-            self.roles.append(role)
-        if role.ready_line:
-            self.wait_ready(role, ready_timeout_s)
+    def start(self, spec: RoleSpec, config: str | Path) -> Role:
+        """Start the role; with `spec.ready.wait`, return once it is ready (RoleFailed if it is not)."""
+        proc = Process(spec.name, self.log_dir / spec.log_name, self.ready_dir / f"{spec.name}.json")
+        role = Role(spec, proc, str(config))
+        self.roles.append(role)
+        self._launch(role)
         return role
 
-    def restart(self, role: Role, note: str) -> Role:
-        """Start `role` again (same argv, same log, after a `=== note` line); leftovers of its last
-        run (a vLLM engine core outliving its parent) are killed first."""
-        if role.proc is not None:
-            _signal_group(role.proc, signal.SIGKILL)
-            try:
-                role.proc.wait(timeout=5)
-            except subprocess.TimeoutExpired:
-                pass
-        with open(self.log_dir / f"{role.name}.log", "ab") as f:
-            f.write(f"=== {note} ===\n".encode())
-        return self.start(role)
+    def _launch(self, role: Role, banner: str | None = None) -> None:
+        role.proc.start(role.spec.command(role.config), role.spec.env, banner=banner)
+        role.state, role.code = State.RUNNING, None
+        role.starts += 1
+        ready = role.spec.ready
+        if ready.wait and ready.probe != "none":
+            why = role.proc.wait_ready(ready.timeout_s, ready.probe, port=ready.port)
+            if why:
+                role.state, role.code = State.FAILED, role.returncode
+                raise RoleFailed(role.name, role.code, role.log_path, why)
 
-    def wait_ready(self, role: Role, timeout_s: float) -> None:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if role.log_path.exists() and role.ready_line in role.log_path.read_text(errors="replace"):
-                return
-            if role.returncode is not None:
-                raise RoleFailed(role.name, role.returncode, role.log_path, "exited before it was ready\n"
-                                 + tail(role.log_path))
-            time.sleep(0.1)
-        raise RoleFailed(role.name, None, role.log_path, f"not ready after {timeout_s:.0f}s\n" + tail(role.log_path))
+    def restart(self, role: Role) -> None:
+        """Start `role` again on the same log, after a `=== launch.local: restart` line; leftovers of
+        its last run (a vLLM engine core outliving its parent) are killed first."""
+        role.proc.kill()
+        n = self.restarts[role.name] = self.restarts[role.name] + 1
+        self._launch(role, f"launch.local: restart {n} of {role.spec.restart.max_restarts} after exit code "
+                           f"{role.code} ===")
 
-    def check(self) -> None:
-        """Raise `RoleFailed` for the first required role that has exited with an error."""
-        for r in self.roles:
-            code = r.returncode
-            if code is not None and code != 0 and r.required:
-                raise RoleFailed(r.name, code, r.log_path, "\n" + tail(r.log_path))
+    def supervise(self) -> None:
+        """One look at every role: note exits, restart what is due; raise `RoleFailed` for a required
+        role that failed, or once every generator (every scorer) is gone for good."""
+        now = time.monotonic()
+        for role in self.roles:
+            if role.state == State.RUNNING and role.returncode is not None:
+                role.code = role.returncode
+                role.state = after_exit(role.spec, self.restarts[role.name], role.code)
+                if role.state == State.FAILED and role.spec.required:
+                    raise RoleFailed(role.name, role.code, role.log_path, "\n" + role.proc.tail())
+                if role.state == State.RESTARTING:
+                    role.restart_at = now + role.spec.restart.delay_s
+                    self.say(f"{role.name} exited with code {role.code}; restart "
+                             f"{self.restarts[role.name] + 1}/{role.spec.restart.max_restarts}")
+            if role.state == State.RESTARTING and now >= role.restart_at:
+                self.restart(role)
+        for kind in ("generator", "scorer"):
+            mine = [r for r in self.roles if r.spec.kind == kind]
+            if gone_for_good([r.state for r in mine]):
+                raise RoleFailed(kind, mine[0].code, mine[0].log_path,
+                                 f"every {kind} has exited (restarts used: "
+                                 f"{', '.join(f'{r.name} {self.restarts[r.name]}' for r in mine)})")
 
     def wait(self, role: Role, timeout_s: float | None = None, on_tick: Callable[[], None] | None = None,
              tick_s: float = 1.0) -> int:
-        """Wait for `role` to exit (0 expected) while every other required role stays healthy."""
+        """Supervise until `role` is done (0); RoleFailed when it or another required role fails."""
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         next_tick = 0.0
-        while role.returncode is None:
-            self.check()
+        while True:
+            self.supervise()
+            if role.state == State.DONE:
+                return 0
             if deadline is not None and time.monotonic() > deadline:
                 raise RoleFailed(role.name, None, role.log_path, f"did not finish within {timeout_s:.0f}s")
             if on_tick and time.monotonic() >= next_tick:
                 on_tick()
                 next_tick = time.monotonic() + tick_s
             time.sleep(0.2)
-        if role.returncode != 0:
-            raise RoleFailed(role.name, role.returncode, role.log_path, "\n" + tail(role.log_path))
-        return 0
+
+    def status(self) -> list[dict]:
+        """Each role as `<run_dir>/status.json` lists it."""
+        return [{"name": r.name, "kind": r.spec.kind, "state": r.state.value, "pid": r.proc.pid,
+                 "restarts": self.restarts[r.name], "starts": r.starts, "code": r.code, "ready": r.proc.ready()}
+                for r in self.roles]
 
     def stop(self, roles: Sequence[Role] | None = None) -> None:
         """SIGTERM each role's process group, then SIGKILL what is left after the grace period."""
         roles = list(self.roles if roles is None else roles)
         for r in roles:
-            if r.proc is not None and r.proc.poll() is None:
-                _signal_group(r.proc, signal.SIGTERM)
+            r.proc.terminate(group=True)
         deadline = time.monotonic() + self.grace_s
         for r in roles:
-            if r.proc is None:
-                continue
-            try:
-                r.proc.wait(timeout=max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                pass
-            # the leader may be gone while children it spawned (vLLM engine core) are not
-            _signal_group(r.proc, signal.SIGKILL)
-            try:
-                r.proc.wait(timeout=5)
-            except subprocess.TimeoutExpired:
-                pass
+            r.proc.wait(deadline - time.monotonic())
+            r.proc.kill()
+            if r.state in (State.RUNNING, State.RESTARTING):
+                r.state, r.code = State.STOPPED, r.returncode
 
     def __enter__(self) -> "Supervisor":
         return self
 
     def __exit__(self, *exc) -> None:
         self.stop()
-
-
-def _signal_group(proc: subprocess.Popen, sig: int) -> None:
-    try:
-        os.killpg(proc.pid, sig)
-    except (ProcessLookupError, PermissionError):
-        pass

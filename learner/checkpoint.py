@@ -112,6 +112,24 @@ def latest_checkpoint(run_dir: str | Path) -> Path | None:
     return found[-1] if found else None
 
 
+def restore_latest(run_dir: str | Path, policy, critic=None, ranks_key: str = "the number of ranks",
+                   zero_key: str = "zero_stage") -> tuple[int, Path | None]:
+    """(step, folder) of the latest checkpoint under run_dir, loaded into the engines; (0, None) if none.
+
+    ZeRO partitions only load under the number of ranks that saved them: another number fails here,
+    naming the keys that fix it (`ranks_key`, `zero_key`), before DeepSpeed fails less clearly."""
+    ckpt = latest_checkpoint(run_dir)
+    if ckpt is None:
+        return 0, None
+    saved = json.loads((ckpt / "trainer_state.json").read_text())
+    world, zero = dist.get_world_size(), policy.zero_optimization_stage()
+    if saved.get("world_size", world) != world and zero > 0:
+        raise RuntimeError(f"{ckpt} was saved by {saved['world_size']} rank(s) with ZeRO-{zero} partitions and "
+                           f"this run has {world}; resume it with {ranks_key}={saved['world_size']} (only "
+                           f"{zero_key}=0 checkpoints load under another number of ranks)")
+    return int(load_checkpoint(ckpt, policy, critic)["step"]), ckpt
+
+
 def load_checkpoint(path: str | Path, policy, critic=None) -> dict[str, Any]:
     """Restore the engines (weights, optimizer, LR schedule) from `path`; returns trainer_state.json."""
     path = Path(path)

@@ -21,7 +21,10 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from learner.offline import Trainer, fit, load_data, load_tokenizer, log, pad_batch, run_trainer, token_logprobs
+from learner.engine import load_trainable_lm
+from learner.metrics import say
+from learner.modeling import token_logprobs
+from learner.offline import Data, Trainer, pad_batch, run_trainer
 from learner.offline_config import DPOConfig
 
 
@@ -46,12 +49,13 @@ def dpo_loss(policy_chosen: torch.Tensor, policy_rejected: torch.Tensor, ref_cho
 
 def run(cfg: DPOConfig) -> dict:
     """Train, evaluate, save to cfg.save_path; returns the summary (eval_start, eval_end, train_last, data)."""
-    return run_trainer(cfg, lambda rank, world, device: train(cfg, rank, world, device))
+    return run_trainer(cfg, "pairs", make_trainer)
 
 
-def train(cfg: DPOConfig, rank: int, world: int, device: torch.device) -> dict:
-    tok = load_tokenizer(cfg.model_path)
-    train_set, held, stats = load_data(cfg, tok, "pairs", rank)
+def make_trainer(cfg: DPOConfig, tok, data: Data, rank: int, world: int, device: torch.device) -> Trainer:
+    """The DPO loss and its held-out evaluation; the reference log-probs are computed here first
+    (`precompute`) or the reference model stays beside the policy (`on_the_fly`)."""
+    train_set, held = data.train, data.held
     pad_id = tok.pad_token_id
     dtype = getattr(torch, cfg.dtype)
 
@@ -76,7 +80,7 @@ def train(cfg: DPOConfig, rank: int, world: int, device: torch.device) -> dict:
         ref_model = None
         gc.collect()
         if rank == 0:
-            log("dpo", f"reference log-probs of {len(train_set) + len(held)} pairs computed; reference model freed")
+            say("dpo", f"reference log-probs of {len(train_set) + len(held)} pairs computed; reference model freed")
 
     def ref_logps(split, pairs, idx):
         if ref_model is None:
@@ -119,18 +123,8 @@ def train(cfg: DPOConfig, rank: int, world: int, device: torch.device) -> dict:
                 "eval/rewards_rejected": s["rejected"] / n, "eval/margin": s["margin"] / n,
                 "eval/accuracy": s["correct"] / n, "eval/pairs": s["n"]}
 
-    def build_model():
-        from transformers import AutoModelForCausalLM
-
-        model = AutoModelForCausalLM.from_pretrained(cfg.model_path, dtype=torch.float32)
-        model.config.use_cache = False
-        if cfg.gradient_checkpointing:
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        return model
-
-    trainer = Trainer(build_model=build_model, loss_fn=loss_fn, weight_fn=lambda idx: float(len(idx)),
-                      eval_fn=eval_fn, finish_eval=finish_eval)
-    return fit(cfg, trainer, len(train_set), len(held), stats, rank, world, device)
+    return Trainer(build_model=lambda: load_trainable_lm(cfg.model_path, cfg.gradient_checkpointing),
+                   loss_fn=loss_fn, eval_fn=eval_fn, finish_eval=finish_eval)  # averaged over pairs
 
 
 def load_reference(cfg: DPOConfig, dtype: torch.dtype, device: torch.device):

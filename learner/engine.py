@@ -1,4 +1,5 @@
-"""DeepSpeed setup: process group, config dict, the policy and critic engines, full-parameter gathering.
+"""DeepSpeed setup shared by the RL learner and the offline trainers: the process group, the model
+loading, the config dict, the engines (policy, critic, any model), and full-parameter gathering.
 
 Checked on CPU (DeepSpeed 0.19.8, torch 2.13 CPU, gloo): ZeRO 0-3 with `torch.optim.AdamW` passed
 to `deepspeed.initialize` (no compiled CPU Adam needed), two ranks under either
@@ -15,6 +16,7 @@ from __future__ import annotations
 import datetime
 import math
 import os
+from contextlib import contextmanager
 from typing import Iterator
 
 import torch
@@ -59,6 +61,27 @@ def shutdown_distributed() -> None:
     if _SET_LOCAL_RANK[0]:
         os.environ.pop("LOCAL_RANK", None)
         _SET_LOCAL_RANK[0] = False
+
+
+@contextmanager
+def process_group(cfg) -> Iterator[tuple[int, int, torch.device]]:
+    """`with process_group(cfg) as (rank, world, device):` init_distributed, undone however the block ends.
+
+    `cfg` needs `dist_backend` and `dist_timeout_s` (a LearnerConfig, or an offline trainer's)."""
+    rank, world, device = init_distributed(cfg)
+    try:
+        yield rank, world, device
+    finally:
+        shutdown_distributed()
+
+
+def all_reduce_sum(t: torch.Tensor) -> torch.Tensor:
+    """The sum of `t` over the ranks (a copy; `t` is left as it is). Collective."""
+    import torch.distributed as dist
+
+    t = t.clone()
+    dist.all_reduce(t, op=dist.ReduceOp.SUM)
+    return t
 
 
 def deepspeed_config(cfg: LearnerConfig) -> dict:
@@ -113,15 +136,26 @@ def build_engine(model: nn.Module, cfg: LearnerConfig, lr: float | None = None):
     return _initialize(model, cfg, cfg.lr if lr is None else lr)
 
 
-def build_policy_engine(cfg: LearnerConfig):
-    """The policy (any AutoModelForCausalLM folder) wrapped in a DeepSpeed engine with AdamW."""
+def enable_gradient_checkpointing(model: nn.Module, on: bool = True) -> nn.Module:
+    """HF gradient checkpointing (non-reentrant) when `on`; returns the model."""
+    if on:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    return model
+
+
+def load_trainable_lm(path: str, gradient_checkpointing: bool = False) -> nn.Module:
+    """Any AutoModelForCausalLM folder in fp32, set up to be trained (no KV cache): the RL policy,
+    and the SFT and DPO policies. bf16 training casts it inside DeepSpeed."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(cfg.model_path, dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     model.config.use_cache = False
-    if cfg.gradient_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    return _initialize(model, cfg, cfg.lr)
+    return enable_gradient_checkpointing(model, gradient_checkpointing)
+
+
+def build_policy_engine(cfg: LearnerConfig):
+    """The policy (any AutoModelForCausalLM folder) wrapped in a DeepSpeed engine with AdamW."""
+    return _initialize(load_trainable_lm(cfg.model_path, cfg.gradient_checkpointing), cfg, cfg.lr)
 
 
 class ValueModel(nn.Module):
@@ -149,13 +183,20 @@ class ValueModel(nn.Module):
 def build_critic_engine(cfg: LearnerConfig):
     """The critic for PPO's GAE, trained on the same ranks with its own AdamW (lr = critic_lr)."""
     model = ValueModel(cfg.critic_path or cfg.model_path)
-    if cfg.gradient_checkpointing:
-        model.backbone.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    enable_gradient_checkpointing(model.backbone, cfg.gradient_checkpointing)
     return _initialize(model, cfg, cfg.critic_lr)
 
 
 def is_zero3(engine) -> bool:
     return engine.zero_optimization_stage() == 3
+
+
+def grad_norm(engine) -> float:
+    """The global gradient norm of the engine's last optimizer step; NaN when DeepSpeed did not compute it."""
+    x = engine.get_global_grad_norm()
+    if x is None:
+        return float("nan")
+    return float(x.item() if hasattr(x, "item") else x)
 
 
 def iter_full_params(engine) -> Iterator[tuple[str, torch.Tensor]]:

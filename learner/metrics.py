@@ -1,17 +1,64 @@
-"""Per-step metrics: tensorboard under the run folder, one JSON line per step, wandb when asked for.
+"""Per-step metrics of every learner (RL and offline): the mean over ranks, and the writer.
 
-Only rank 0 writes; names are grouped by prefix (`loss/`, `policy/`, `buffer/`, `optim/`, `perf/`,
-`time/`), so tensorboard shows one section per prefix.
+Each rank builds the same keys; `reduce_across_ranks` turns them into the step's values, and rank 0
+writes them: tensorboard under the run folder, one JSON line per step, wandb when asked for. Names
+are grouped by prefix (`loss/`, `policy/`, `buffer/`, `optim/`, `perf/`, `time/`), so tensorboard
+shows one section per prefix. Light: torch is imported only by the functions that reduce.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import time
 import sys
 from pathlib import Path
 from typing import Any
+
+# summed over ranks (every other key is a mean, or a min / max by its suffix)
+SUMMED = ("perf/tokens", "perf/samples")
+
+
+def say(role: str, msg: str) -> None:
+    """A progress line for people, on stderr (`role: msg`); nothing reads it back."""
+    print(f"{role}: {msg}", file=sys.stderr, flush=True)
+
+
+def reduce_across_ranks(metrics: dict[str, float], device) -> dict[str, float]:
+    """Mean over ranks; `*_min` keys take the min, `*_max` the max, the keys in SUMMED the sum.
+
+    Collective: every rank must pass the same keys (the loops build them the same way on each).
+    """
+    import torch
+    import torch.distributed as dist
+
+    world = dist.get_world_size()
+    if world == 1:
+        return dict(metrics)
+    keys = sorted(metrics)
+    groups = {"min": [k for k in keys if k.endswith("_min")], "max": [k for k in keys if k.endswith("_max")]}
+    groups["sum"] = [k for k in keys if k in SUMMED]
+    taken = set(groups["min"]) | set(groups["max"]) | set(groups["sum"])
+    groups["mean"] = [k for k in keys if k not in taken]
+    ops = {"min": dist.ReduceOp.MIN, "max": dist.ReduceOp.MAX, "sum": dist.ReduceOp.SUM, "mean": dist.ReduceOp.SUM}
+    out = {}
+    for kind, ks in groups.items():
+        if not ks:
+            continue
+        t = torch.tensor([metrics[k] for k in ks], dtype=torch.float64, device=device)
+        dist.all_reduce(t, op=ops[kind])
+        if kind == "mean":
+            t = t / world
+        out.update(zip(ks, t.tolist()))
+    return out
+
+
+def config_dict(cfg) -> dict[str, Any]:
+    """A config section as plain values (for wandb's run config)."""
+    if hasattr(cfg, "model_dump"):
+        return cfg.model_dump()
+    return dataclasses.asdict(cfg)
 
 
 class MetricsWriter:
@@ -53,7 +100,14 @@ class MetricsWriter:
         if self._wandb is not None:
             self._wandb.log(clean, step=step)
 
+    @classmethod
+    def for_run(cls, run_dir: str | Path, cfg) -> "MetricsWriter":
+        """The writer a learner config asks for (its `tensorboard` and `wandb_project`)."""
+        return cls(run_dir, cfg.tensorboard, cfg.wandb_project, config=config_dict(cfg))
+
     def close(self) -> None:
+        if self._jsonl.closed:
+            return
         self._jsonl.close()
         if self._tb is not None:
             self._tb.close()

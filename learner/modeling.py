@@ -58,12 +58,25 @@ def pad_sequences(
     return input_ids, attention_mask, completion_mask
 
 
-def sequence_token_logprobs(
-    model, input_ids: torch.Tensor, attention_mask: torch.Tensor, temperature: float = 1.0
-) -> torch.Tensor:
-    """Log-prob of every next token under `model`: (B, L) ids -> (B, L-1) log-probs (grad flows)."""
-    logits = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits  # (B, L, V)
-    return gather_logprobs(logits[:, :-1], input_ids[:, 1:], temperature)
+def next_token_logits(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                      position_ids: torch.Tensor | None = None) -> torch.Tensor:
+    """(B, L) ids -> (B, L-1, V) logits: position t predicts token t + 1 (grad flows).
+
+    `position_ids` without an attention mask: one packed row of documents (transformers keeps
+    attention inside each document when the positions restart at 0)."""
+    out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False)
+    return out.logits[:, :-1]
+
+
+def token_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                   position_ids: torch.Tensor | None = None, temperature: float = 1.0) -> torch.Tensor:
+    """Log-prob of every next token under `model`: (B, L) ids -> (B, L-1) log-probs (grad flows).
+
+    With `next_token_logits`, where every log-prob the learners and the reference scorer use comes
+    from: the RL learner's pi_old (and its pi, from the logits it also needs for the entropy), the
+    reference log-probs, SFT's and DPO's."""
+    logits = next_token_logits(model, input_ids, attention_mask, position_ids)  # (B, L-1, V)
+    return gather_logprobs(logits, input_ids[:, 1:], temperature)
 
 
 @torch.no_grad()
@@ -81,7 +94,7 @@ def completion_logprobs(
     for i in range(0, len(prompts), batch_size):
         p, c = prompts[i : i + batch_size], completions[i : i + batch_size]
         ids, attn, cmask = pad_sequences(p, c, pad_id)
-        lp = sequence_token_logprobs(model, ids.to(device), attn.to(device), temperature).cpu()  # (B, L-1)
+        lp = token_logprobs(model, ids.to(device), attn.to(device), temperature=temperature).cpu()  # (B, L-1)
         for b in range(len(p)):
             out.append(lp[b][cmask[b]].clone())
     return out

@@ -7,11 +7,16 @@
             log every log_every, evaluate every eval_every, checkpoint every save_every
     evaluate, save the final model (HF format) to save_path
 
-A trainer supplies `loss_fn(idx, denom)` and `eval_fn(idx, weights)` over indices into its own
-example lists, and `weight_fn(idx)` (what a step's loss is averaged over: response tokens for SFT,
-pairs for DPO and RM). The loss of one micro-batch is its sum divided by `denom` = (the global
+A trainer (`sft.py`, `dpo.py`, `rm.py`) gives `run_trainer` its `make_trainer`, which returns a
+`Trainer`: `loss_fn(idx, denom)` and `eval_fn(idx, weights)` over indices into its own example
+lists, and `weight_fn(idx)` (what a step's loss is averaged over: response tokens for SFT, pairs
+for DPO and RM). The loss of one micro-batch is its sum divided by `denom` = (the global
 batch's weight) / (ranks x micro-batches per step): DeepSpeed divides by the micro-batch count and
 averages over ranks, so the gradient is exactly that of the global batch's mean, however it is split.
+
+The pieces the RL learner (`learner.trainer`) has too come from the same modules: the process group
+and the engine (`learner.engine`), token log-probs (`learner.modeling`), the mean over ranks and
+the metrics writer (`learner.metrics`), resumable checkpoints (`learner.checkpoint`).
 """
 
 from __future__ import annotations
@@ -19,20 +24,18 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-import sys
 import time
 from collections import defaultdict
+from contextlib import ExitStack, closing
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import Callable, NamedTuple, Sequence
 
 import torch
-import torch.distributed as dist
 
-from learner.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint, save_hf
+from learner.checkpoint import restore_latest, save_checkpoint, save_hf
 from learner.datasets import DataStats, Encoded, load_splits, report
-from learner.engine import build_engine, init_distributed, shutdown_distributed
-from learner.metrics import MetricsWriter
-from learner.modeling import gather_logprobs
+from learner.engine import all_reduce_sum, build_engine, grad_norm, process_group
+from learner.metrics import MetricsWriter, reduce_across_ranks, say
 from learner.offline_config import OfflineConfig
 
 
@@ -40,21 +43,23 @@ class SetupError(ValueError):
     """A config that does not fit the data or the number of ranks (quotes the values)."""
 
 
-def log(kind: str, msg: str) -> None:
-    print(f"{kind}: {msg}", file=sys.stderr, flush=True)
-
-
 # ------------------------------------------------------------------------------------------------
 # set-up
 
 
-def start(cfg: OfflineConfig) -> tuple[int, int, torch.device]:
-    """Join (or create) the process group (learner.engine.init_distributed) and seed torch."""
+def run_trainer(cfg: OfflineConfig, kind: str, make_trainer: Callable[..., "Trainer"], keep: str = "head") -> dict:
+    """An offline trainer's `run`: check the config, join the process group, load the tokenizer and
+    the `kind` examples ("sft" or "pairs", truncated keeping their `keep`), then
+    `make_trainer(cfg, tokenizer, data, rank, world, device) -> Trainer` and `fit`; returns the summary."""
+    cfg.validate()
     if cfg.num_threads:
         torch.set_num_threads(cfg.num_threads)
-    rank, world, device = init_distributed(cfg.learner_config(1, 1))
-    torch.manual_seed(cfg.seed)
-    return rank, world, device
+    with process_group(cfg.learner_config(1, 1)) as (rank, world, device):
+        torch.manual_seed(cfg.seed)
+        tokenizer = load_tokenizer(cfg.model_path)
+        data = load_data(cfg, tokenizer, kind, rank, keep)
+        trainer = make_trainer(cfg, tokenizer, data, rank, world, device)
+        return fit(cfg, trainer, data, rank, world, device)
 
 
 def load_tokenizer(path: str):
@@ -66,13 +71,21 @@ def load_tokenizer(path: str):
     return tok
 
 
-def load_data(cfg: OfflineConfig, tokenizer, kind: str, rank: int, keep: str = "head"):
+class Data(NamedTuple):
+    """A trainer's examples: the training and held-out lists, and what loading them counted."""
+
+    train: list
+    held: list
+    stats: list[DataStats]
+
+
+def load_data(cfg: OfflineConfig, tokenizer, kind: str, rank: int, keep: str = "head") -> Data:
     """(train, held-out, stats) from learner.datasets, reported by rank 0."""
-    train, held, stats = load_splits(tokenizer, cfg, kind, keep)
+    data = Data(*load_splits(tokenizer, cfg, kind, keep))
     if rank == 0:
-        report(stats)
-        log(cfg.kind, f"{len(train)} training and {len(held)} held-out examples")
-    return train, held, stats
+        report(data.stats)
+        say(cfg.kind, f"{len(data.train)} training and {len(data.held)} held-out examples")
+    return data
 
 
 # ------------------------------------------------------------------------------------------------
@@ -104,12 +117,6 @@ def pack_batch(seqs: Sequence[Encoded], device) -> tuple[torch.Tensor, torch.Ten
     return ids[None].to(device), pos[None].to(device), target[None, 1:].to(device)
 
 
-def token_logprobs(model, ids: torch.Tensor, attention_mask=None, position_ids=None) -> torch.Tensor:
-    """log p of every next token: (B, L) -> (B, L-1), grad flowing."""
-    logits = model(input_ids=ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False).logits
-    return gather_logprobs(logits[:, :-1], ids[:, 1:])
-
-
 def steps_per_epoch(cfg: OfflineConfig, n_train: int, world: int) -> int:
     if cfg.batch_size % (cfg.micro_batch_size * world):
         raise SetupError(f"{cfg.kind}.batch_size={cfg.batch_size} is not a multiple of micro_batch_size="
@@ -129,6 +136,10 @@ def epoch_order(n: int, seed: int, epoch: int) -> list[int]:
 # the loop
 
 
+def count(idx: list[int]) -> float:
+    return float(len(idx))
+
+
 @dataclasses.dataclass
 class Trainer:
     """What one offline trainer plugs into `fit`."""
@@ -138,100 +149,111 @@ class Trainer:
     loss_fn: Callable[[object, list[int], float], tuple[torch.Tensor, dict[str, float]]]
     """(engine, training indices of one micro-batch, denom) -> (loss, metric contributions, each a
     sum over the micro-batch / denom, so their mean over micro-batches and ranks is the step's value)."""
-    weight_fn: Callable[[list[int]], float]
-    """Training indices of a whole global batch -> what its loss is averaged over."""
     eval_fn: Callable[[object, list[int], list[float]], dict[str, float]] | None = None
     """(engine, held-out indices, weights 0/1) -> sums (weights say which rows count); None: no evaluation."""
     finish_eval: Callable[[dict[str, float]], dict[str, float]] | None = None
     """Sums over the whole held-out set -> metrics (`eval/...`)."""
+    weight_fn: Callable[[list[int]], float] = count
+    """Training indices of a whole global batch -> what its loss is averaged over (default: the
+    number of examples, i.e. pairs for DPO and RM)."""
 
 
-def fit(cfg: OfflineConfig, trainer: Trainer, n_train: int, n_eval: int, stats: list[DataStats],
-        rank: int, world: int, device: torch.device) -> dict:
-    """Train, evaluate and save; returns a summary (also written to <run_dir>/summary.json by rank 0)."""
+def fit(cfg: OfflineConfig, trainer: Trainer, data: Data, rank: int, world: int, device: torch.device) -> dict:
+    """Train, evaluate and save; returns a summary (also written to <run_dir>/summary.json by rank 0).
+    However it ends, the metrics writer is closed."""
     save_path, run_dir = cfg.output_dirs()
+    n_train = len(data.train)
     per_epoch = steps_per_epoch(cfg, n_train, world)
     total = per_epoch * cfg.epochs
     lcfg = cfg.learner_config(total, world)
     engine = build_engine(trainer.build_model(), lcfg)
     grad_accum = lcfg.gradient_accumulation_steps
 
-    step = 0
-    if cfg.resume and (ckpt := latest_checkpoint(run_dir)) is not None:
-        step = int(load_checkpoint(ckpt, engine)["step"])
-        if rank == 0:
-            log(cfg.kind, f"resumed from {ckpt} at step {step}")
-    writer = None
-    if rank == 0:
-        writer = MetricsWriter(run_dir, cfg.tensorboard, cfg.wandb_project, config=dataclasses.asdict(cfg))
-        log(cfg.kind, f"{world} rank(s), ZeRO-{cfg.zero_stage}, {cfg.dtype}: {cfg.epochs} epoch(s) x {per_epoch} "
-                      f"steps of {cfg.batch_size} ({grad_accum} micro-batch(es) of {cfg.micro_batch_size} per rank)")
+    step, ckpt = 0, None
+    if cfg.resume:
+        step, ckpt = restore_latest(run_dir, engine, ranks_key="the number of ranks",
+                                    zero_key=f"{cfg.kind}.zero_stage")
+    if ckpt is not None and rank == 0:
+        say(cfg.kind, f"resumed from {ckpt} at step {step}")
 
-    def evaluate(at: int) -> dict[str, float]:
-        if trainer.eval_fn is None or n_eval == 0:
-            return {}
-        out = run_eval(cfg, trainer, engine, n_eval, rank, world, device)
+    with ExitStack() as opened:
+        writer = opened.enter_context(closing(MetricsWriter.for_run(run_dir, cfg))) if rank == 0 else None
         if rank == 0:
-            writer.log(at, out)
-            log(cfg.kind, f"step {at}: " + " ".join(f"{k} {v:.4f}" for k, v in sorted(out.items())))
-        return out
+            say(cfg.kind, f"{world} rank(s), ZeRO-{cfg.zero_stage}, {cfg.dtype}: {cfg.epochs} epoch(s) x {per_epoch} "
+                          f"steps of {cfg.batch_size} ({grad_accum} micro-batch(es) of {cfg.micro_batch_size} per rank)")
 
-    summary: dict = {"kind": cfg.kind, "data": [dataclasses.asdict(s) for s in stats], "steps": total,
-                     "save_path": save_path}
-    if rank == 0:  # rows read, used, skipped as bad, truncated, dropped: once, at the starting step
-        writer.log(step, {k: float(v) for s, name in zip(stats, ("data", "data_eval")) for k, v in s.as_metrics(name).items()})
-    summary["eval_start"] = evaluate(step)
-    last: dict[str, float] = {}
-    saved = step
-    t_start = time.monotonic()
-    done = 0
-    for epoch in range(cfg.epochs):
-        order = epoch_order(n_train, cfg.seed, epoch)
-        for s in range(per_epoch):
-            if epoch * per_epoch + s < step:
-                continue  # done before the checkpoint we resumed from
-            t0 = time.monotonic()
-            batch = order[s * cfg.batch_size:(s + 1) * cfg.batch_size]
-            per_rank = cfg.batch_size // world
-            mine = batch[rank * per_rank:(rank + 1) * per_rank]
-            denom = trainer.weight_fn(batch) / (world * grad_accum)
-            engine.train()
-            sums: dict[str, float] = defaultdict(float)
-            for i in range(0, per_rank, cfg.micro_batch_size):
-                loss, contrib = trainer.loss_fn(engine, mine[i:i + cfg.micro_batch_size], max(denom, 1e-12))
-                engine.backward(loss)
-                engine.step()  # DeepSpeed updates at the last micro-batch of the step
-                for k, v in contrib.items():
-                    sums[k] += v / grad_accum
-            step += 1
-            done += 1
-            metrics = mean_over_ranks(dict(sums), device)
-            metrics.update({"optim/lr": float(engine.get_lr()[0]), "optim/grad_norm": _float(engine.get_global_grad_norm()),
-                            "time/train_step": time.monotonic() - t0, "train/epoch": epoch + (s + 1) / per_epoch})
-            last = metrics
-            if rank == 0 and (step % cfg.log_every == 0 or step == total):
-                writer.log(step, metrics)
-                loss_keys = [k for k in sorted(metrics) if k.startswith(("loss/", "rewards/", "rm/"))][:4]
-                log(cfg.kind, f"step {step}/{total}: " + " ".join(f"{k} {metrics[k]:.4f}" for k in loss_keys))
-            if cfg.eval_every and step % cfg.eval_every == 0 and step != total:
-                evaluate(step)
-            if cfg.save_every and step % cfg.save_every == 0:
-                save_checkpoint(run_dir, step, engine, None, cfg.model_path, keep=cfg.keep_checkpoints)
-                saved = step
-    summary["eval_end"] = evaluate(step)
-    summary["train_last"] = last
-    summary["train_s"] = time.monotonic() - t_start
-    summary["steps_run"] = done
-    if cfg.save_every and saved != step:
-        save_checkpoint(run_dir, step, engine, None, cfg.model_path, keep=cfg.keep_checkpoints)
-    save_hf(engine, Path(save_path), cfg.model_path)
-    if rank == 0:
-        Path(run_dir).mkdir(parents=True, exist_ok=True)
-        (Path(run_dir) / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
-        log(cfg.kind, f"saved the trained model to {save_path}")
-        writer.close()
-    dist.barrier()
+        def evaluate(at: int) -> dict[str, float]:
+            if trainer.eval_fn is None or not data.held:
+                return {}
+            out = run_eval(cfg, trainer, engine, len(data.held), rank, world, device)
+            if rank == 0:
+                writer.log(at, out)
+                say(cfg.kind, f"step {at}: " + " ".join(f"{k} {v:.4f}" for k, v in sorted(out.items())))
+            return out
+
+        summary: dict = {"kind": cfg.kind, "data": [dataclasses.asdict(s) for s in data.stats], "steps": total,
+                         "save_path": save_path, "world_size": world, "zero_stage": engine.zero_optimization_stage()}
+        if rank == 0:  # rows read, used, skipped as bad, truncated, dropped: once, at the starting step
+            writer.log(step, {k: float(v) for s, name in zip(data.stats, ("data", "data_eval"))
+                              for k, v in s.as_metrics(name).items()})
+        summary["eval_start"] = evaluate(step)
+        last: dict[str, float] = {}
+        saved = step
+        t_start = time.monotonic()
+        done = 0
+        for epoch in range(cfg.epochs):
+            order = epoch_order(n_train, cfg.seed, epoch)
+            for s in range(per_epoch):
+                if epoch * per_epoch + s < step:
+                    continue  # done before the checkpoint we resumed from
+                t0 = time.monotonic()
+                metrics = optimizer_step(cfg, trainer, engine, order[s * cfg.batch_size:(s + 1) * cfg.batch_size],
+                                         rank, world, grad_accum, device)
+                step += 1
+                done += 1
+                metrics.update({"optim/lr": float(engine.get_lr()[0]), "optim/grad_norm": grad_norm(engine),
+                                "time/train_step": time.monotonic() - t0, "train/epoch": epoch + (s + 1) / per_epoch})
+                last = metrics
+                if rank == 0 and (step % cfg.log_every == 0 or step == total):
+                    writer.log(step, metrics)
+                    loss_keys = [k for k in sorted(metrics) if k.startswith(("loss/", "rewards/", "rm/"))][:4]
+                    say(cfg.kind, f"step {step}/{total}: " + " ".join(f"{k} {metrics[k]:.4f}" for k in loss_keys))
+                if cfg.eval_every and step % cfg.eval_every == 0 and step != total:
+                    evaluate(step)
+                if cfg.save_every and step % cfg.save_every == 0:
+                    save_checkpoint(run_dir, step, engine, None, cfg.model_path, keep=cfg.keep_checkpoints)
+                    saved = step
+        summary["eval_end"] = evaluate(step)
+        summary["train_last"] = last
+        summary["train_s"] = time.monotonic() - t_start
+        summary["steps_run"] = done
+        if cfg.save_every and saved != step:
+            save_checkpoint(run_dir, step, engine, None, cfg.model_path, keep=cfg.keep_checkpoints)
+        save_hf(engine, Path(save_path), cfg.model_path)
+        if rank == 0:
+            Path(run_dir).mkdir(parents=True, exist_ok=True)
+            (Path(run_dir) / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+            say(cfg.kind, f"saved the trained model to {save_path}")
+    torch.distributed.barrier()
     return summary
+
+
+def optimizer_step(cfg: OfflineConfig, trainer: Trainer, engine, batch: list[int], rank: int, world: int,
+                   grad_accum: int, device: torch.device) -> dict[str, float]:
+    """One optimizer step on the global batch `batch` (training indices): this rank's slice in
+    micro-batches; returns the metric contributions, averaged over micro-batches and ranks."""
+    per_rank = cfg.batch_size // world
+    mine = batch[rank * per_rank:(rank + 1) * per_rank]
+    denom = trainer.weight_fn(batch) / (world * grad_accum)
+    engine.train()
+    sums: dict[str, float] = defaultdict(float)
+    for i in range(0, per_rank, cfg.micro_batch_size):
+        loss, contrib = trainer.loss_fn(engine, mine[i:i + cfg.micro_batch_size], max(denom, 1e-12))
+        engine.backward(loss)
+        engine.step()  # DeepSpeed updates at the last micro-batch of the step
+        for k, v in contrib.items():
+            sums[k] += v / grad_accum
+    return reduce_across_ranks(dict(sums), device)
 
 
 @torch.no_grad()
@@ -253,32 +275,6 @@ def run_eval(cfg: OfflineConfig, trainer: Trainer, engine, n_eval: int, rank: in
     keys = sorted(sums) or ["_"]
     t = torch.tensor([sums.get(k, 0.0) for k in keys], dtype=torch.float64, device=device)
     if world > 1:
-        dist.all_reduce(t)
+        t = all_reduce_sum(t)
     engine.train()
     return trainer.finish_eval(dict(zip(keys, t.tolist())))
-
-
-def mean_over_ranks(metrics: dict[str, float], device: torch.device) -> dict[str, float]:
-    world = dist.get_world_size()
-    if world == 1 or not metrics:
-        return metrics
-    keys = sorted(metrics)
-    t = torch.tensor([metrics[k] for k in keys], dtype=torch.float64, device=device)
-    dist.all_reduce(t)
-    return dict(zip(keys, (t / world).tolist()))
-
-
-def run_trainer(cfg: OfflineConfig, setup: Callable) -> dict:
-    """Process-group set-up around `setup(rank, world, device) -> summary` (the trainers' `run`)."""
-    cfg.validate()
-    rank, world, device = start(cfg)
-    try:
-        return setup(rank, world, device)
-    finally:
-        shutdown_distributed()
-
-
-def _float(x) -> float:
-    if x is None:
-        return float("nan")
-    return float(x.item() if hasattr(x, "item") else x)

@@ -15,7 +15,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from learner.offline import Trainer, fit, load_data, load_tokenizer, pad_batch, run_trainer
+from learner.engine import enable_gradient_checkpointing
+from learner.offline import Data, Trainer, pad_batch, run_trainer
 from learner.offline_config import RMConfig
 
 
@@ -45,13 +46,13 @@ def load_reward_model(path: str, pad_token_id: int, dtype: torch.dtype = torch.f
 
 def run(cfg: RMConfig) -> dict:
     """Train, evaluate, save to cfg.save_path; returns the summary (eval_start, eval_end, train_last, data)."""
-    return run_trainer(cfg, lambda rank, world, device: train(cfg, rank, world, device))
-
-
-def train(cfg: RMConfig, rank: int, world: int, device: torch.device) -> dict:
-    tok = load_tokenizer(cfg.model_path)
     # keep the tail of a long sequence, as the scorer does (the response is what is judged)
-    train_set, held, stats = load_data(cfg, tok, "pairs", rank, keep="tail")
+    return run_trainer(cfg, "pairs", make_trainer, keep="tail")
+
+
+def make_trainer(cfg: RMConfig, tok, data: Data, rank: int, world: int, device: torch.device) -> Trainer:
+    """The Bradley-Terry loss of the reward model and its held-out evaluation (accuracy, margins)."""
+    train_set, held = data.train, data.held
     pad_id = tok.pad_token_id
 
     def scores(model, pairs):
@@ -84,11 +85,6 @@ def train(cfg: RMConfig, rank: int, world: int, device: torch.device) -> dict:
                 "eval/reward_std": max(0.0, s["sq"] / (2 * n) - mean * mean) ** 0.5, "eval/pairs": s["n"]}
 
     def build_model():
-        model = load_reward_model(cfg.model_path, pad_id)
-        if cfg.gradient_checkpointing:
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        return model
+        return enable_gradient_checkpointing(load_reward_model(cfg.model_path, pad_id), cfg.gradient_checkpointing)
 
-    trainer = Trainer(build_model=build_model, loss_fn=loss_fn, weight_fn=lambda idx: float(len(idx)),
-                      eval_fn=eval_fn, finish_eval=finish_eval)
-    return fit(cfg, trainer, len(train_set), len(held), stats, rank, world, device)
+    return Trainer(build_model=build_model, loss_fn=loss_fn, eval_fn=eval_fn, finish_eval=finish_eval)  # over pairs

@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import torch
 
-from learner.offline import (Trainer, fit, load_data, load_tokenizer, pack_batch, pad_batch, run_trainer,
-                             token_logprobs)
+from learner.engine import load_trainable_lm
+from learner.modeling import token_logprobs
+from learner.offline import Data, Trainer, pack_batch, pad_batch, run_trainer
 from learner.offline_config import SFTConfig
 
 
@@ -22,22 +23,13 @@ def sft_loss(logprobs: torch.Tensor, target: torch.Tensor, denom: float | torch.
 
 def run(cfg: SFTConfig) -> dict:
     """Train, evaluate, save to cfg.save_path; returns the summary (eval_start, eval_end, train_last, data)."""
-    return run_trainer(cfg, lambda rank, world, device: train(cfg, rank, world, device))
+    return run_trainer(cfg, "sft", make_trainer)
 
 
-def train(cfg: SFTConfig, rank: int, world: int, device: torch.device) -> dict:
-    tok = load_tokenizer(cfg.model_path)
-    train_set, held, stats = load_data(cfg, tok, "sft", rank)
+def make_trainer(cfg: SFTConfig, tok, data: Data, rank: int, world: int, device: torch.device) -> Trainer:
+    """The SFT loss (averaged over the global batch's response tokens) and its held-out evaluation."""
+    train_set, held = data.train, data.held
     pad_id = tok.pad_token_id
-
-    def build_model():
-        from transformers import AutoModelForCausalLM
-
-        model = AutoModelForCausalLM.from_pretrained(cfg.model_path, dtype=torch.float32)
-        model.config.use_cache = False
-        if cfg.gradient_checkpointing:
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        return model
 
     def forward(engine, seqs, packed: bool):
         if packed:
@@ -64,6 +56,5 @@ def train(cfg: SFTConfig, rank: int, world: int, device: torch.device) -> dict:
     def finish_eval(sums):
         return {"eval/loss": sums["nll"] / max(sums["tokens"], 1.0), "eval/tokens": sums["tokens"]}
 
-    trainer = Trainer(build_model=build_model, loss_fn=loss_fn, weight_fn=weight_fn, eval_fn=eval_fn,
-                      finish_eval=finish_eval)
-    return fit(cfg, trainer, len(train_set), len(held), stats, rank, world, device)
+    return Trainer(build_model=lambda: load_trainable_lm(cfg.model_path, cfg.gradient_checkpointing),
+                   loss_fn=loss_fn, eval_fn=eval_fn, finish_eval=finish_eval, weight_fn=weight_fn)

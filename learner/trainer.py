@@ -16,37 +16,42 @@ trained. The buffer puts itself at that point (everything else it served is issu
 crash anywhere after the checkpoint costs the steps since it, never a group trained twice.
 
 Losses are normalised over the whole mini-batch of all ranks (token or sequence counts are summed
-over ranks first), so the gradient does not depend on how the batch was split.
+over ranks first), so the gradient does not depend on how the batch was split. The pieces every
+learner shares (engines, log-probs, the mean over ranks, the metrics writer, checkpoints) live in
+`learner.engine`, `learner.modeling`, `learner.metrics` and `learner.checkpoint`; the offline
+trainers (`learner.offline`) use the same ones.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
-import sys
 import time
 from collections import defaultdict
+from contextlib import ExitStack, closing
+from enum import IntEnum
 
 import torch
 import torch.distributed as dist
 
 from buffer.client import BufferClient, BufferDone, BufferError, ResumeNeeded
+from buffer.protocol import Batch
+from common.ready import mark_ready
 from learner.advantages import (broadcast, gae_advantages, grpo_advantages, reinforce_pp_advantages,
                                 rloo_advantages, token_rewards, whiten)
 from learner.batching import (TrainBatch, buffer_stats, mini_batches, split_evenly, staleness_stats,
                               to_train_batch)
-from learner.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from learner.checkpoint import restore_latest, save_checkpoint
 from learner.config import LearnerConfig
+from learner.engine import (all_reduce_sum, build_critic_engine, build_policy_engine, grad_norm, iter_full_params,
+                            process_group)
 from learner.ledger import Ledger
-from learner.engine import (build_critic_engine, build_policy_engine, init_distributed, iter_full_params,
-                            shutdown_distributed)
 from learner.losses import aggregate, behaviour_correction, kl_penalty, policy_loss, value_loss
-from learner.metrics import MetricsWriter
-from learner.modeling import entropy_from_logits, gather_logprobs, masked_mean
+from learner.metrics import MetricsWriter, reduce_across_ranks, say
+from learner.modeling import entropy_from_logits, gather_logprobs, masked_mean, next_token_logits, token_logprobs
 
 
 def log(msg: str) -> None:
-    print(f"learner: {msg}", file=sys.stderr, flush=True)
+    say("learner", msg)
 
 
 def run(cfg: LearnerConfig, source=None, weight_sync=None) -> dict[str, float]:
@@ -56,125 +61,96 @@ def run(cfg: LearnerConfig, source=None, weight_sync=None) -> dict[str, float]:
     default: a `BufferClient` at the configured buffer. `weight_sync`: the run's
     `WeightSyncConfig` (bucket size, backend, join timeout, ...) for the sender on rank 0.
     """
-    rank, world, device = init_distributed(cfg)
-    try:
+    with process_group(cfg) as (rank, world, device):
         return train(cfg, source, rank, world, device, weight_sync)
-    finally:
-        shutdown_distributed()
 
 
 def train(cfg: LearnerConfig, source, rank: int, world: int, device: torch.device,
           weight_sync=None) -> dict[str, float]:
-    """The loop itself, on a rank of an initialised process group."""
+    """The loop itself, on a rank of an initialised process group. However it ends, what it opened
+    (the buffer client, and on rank 0 the ledger, the metrics writer and the weight sender) is closed."""
     torch.manual_seed(cfg.seed)
     policy = build_policy_engine(cfg)
     critic = build_critic_engine(cfg) if cfg.advantage_estimator == "gae" else None
     pad_id = policy.module.config.pad_token_id or 0
 
-    step = 0
-    if cfg.resume and (ckpt := latest_checkpoint(cfg.run_dir)) is not None:
-        saved = json.loads((ckpt / "trainer_state.json").read_text())
-        if saved.get("world_size", world) != world and cfg.zero_stage > 0:
-            raise RuntimeError(f"{ckpt} was saved by {saved['world_size']} learner rank(s) with ZeRO-{cfg.zero_stage} "
-                               f"partitions; resume it with run.learner_ranks={saved['world_size']} (only "
-                               f"learner.zero_stage=0 checkpoints load under another number of ranks)")
-        step = int(load_checkpoint(ckpt, policy, critic)["step"])
+    step, ckpt = 0, None
+    if cfg.resume:
+        step, ckpt = restore_latest(cfg.run_dir, policy, critic, "run.learner_ranks", "learner.zero_stage")
+    if ckpt is not None and rank == 0:
+        log(f"resumed from {ckpt} at step {step}")
+    start_step = saved_step = step
+
+    with ExitStack() as opened:
+        if source is None:
+            # one request may wait a minute for an answer; a batch may take batch_timeout_s to be ready
+            source = opened.enter_context(closing(BufferClient(
+                cfg.buffer_host or "127.0.0.1", cfg.buffer_port or 5555, timeout_s=min(60.0, cfg.batch_timeout_s))))
+        ledger = writer = sender = None
         if rank == 0:
-            log(f"resumed from {ckpt} at step {step}")
-    start_step = step
+            ledger = opened.enter_context(closing(Ledger(cfg.run_dir)))
+            ledger.start(step)  # keeps steps 0..step-1: a crashed lineage's later steps are cut off
+            writer = opened.enter_context(closing(MetricsWriter.for_run(cfg.run_dir, cfg)))
+            if cfg.weight_sync_port:
+                sender = opened.enter_context(closing(weight_sender(cfg, weight_sync)))
+        if step > 0 and cfg.weight_sync_port:
+            publish(sender, policy, step, rank)  # generators need the resumed weights before new leases
+        if rank == 0:
+            handshake(source, step, ledger)
+            print(f"learner ready: {world} rank(s), ZeRO-{cfg.zero_stage}, {cfg.dtype}, {cfg.advantage_estimator}, "
+                  f"steps {step}..{cfg.total_steps - 1}", flush=True)
+            mark_ready("learner", world=world, step=step)
+        if world > 1:
+            dist.barrier()  # no rank asks for a batch before the buffer knows where the lineage stands
 
-    own_source = source is None
-    if own_source:
-        # one request may wait a minute for an answer; a batch may take batch_timeout_s to be ready
-        source = BufferClient(cfg.buffer_host or "127.0.0.1", cfg.buffer_port or 5555,
-                              timeout_s=min(60.0, cfg.batch_timeout_s))
-    writer = None
-    sender = None
-    ledger = None
-    if rank == 0:
-        ledger = Ledger(cfg.run_dir)
-        ledger.start(step)  # keeps steps 0..step-1: a crashed lineage's later steps are cut off
-        writer = MetricsWriter(cfg.run_dir, cfg.tensorboard, cfg.wandb_project, config=dataclasses.asdict(cfg))
-        if cfg.weight_sync_port:
-            from weight_sync.sender import WeightSender
+        last: dict[str, float] = {}
+        while step < cfg.total_steps:
+            t0 = time.monotonic()
+            batch = fetch_batch(source, step, rank, world, cfg, device, ledger)
+            if batch is None:
+                if rank == 0:
+                    log(f"buffer is done at step {step}")
+                break
+            t_wait = time.monotonic() - t0
 
-            if weight_sync is not None:
-                # the learner's own address and timeout win over the section's (they may be overridden)
-                sender = WeightSender.from_config(dataclasses.replace(
-                    weight_sync, host=cfg.weight_sync_host, port=cfg.weight_sync_port,
-                    timeout_s=cfg.weight_sync_timeout_s))
-            else:
-                sender = WeightSender(cfg.weight_sync_host, cfg.weight_sync_port, cfg.weight_sync_timeout_s)
-    if step > 0 and cfg.weight_sync_port:
-        publish(sender, policy, step, rank)  # generators need the resumed weights before new leases
-    if rank == 0:
-        handshake(source, step, ledger)
-        print(f"learner ready: {world} rank(s), ZeRO-{cfg.zero_stage}, {cfg.dtype}, {cfg.advantage_estimator}, "
-              f"steps {step}..{cfg.total_steps - 1}", flush=True)
-    if world > 1:
-        dist.barrier()  # no rank asks for a batch before the buffer knows where the lineage stands
+            tb = to_train_batch(batch.scored, pad_id).to(device)
+            t1 = time.monotonic()
+            metrics = train_step(cfg, policy, critic, tb, step, world)
+            t_train = time.monotonic() - t1
+            trained_step, step = step, step + 1  # the weights are now version `step`
 
-    last: dict[str, float] = {}
-    saved_step = step
-    while step < cfg.total_steps:
-        t0 = time.monotonic()
-        batch = fetch_batch(source, step, rank, world, cfg, device, ledger)
-        if batch is None:
+            groups = step_group_ids(batch, world, device)
             if rank == 0:
-                log(f"buffer is done at step {step}")
-            break
-        t_wait = time.monotonic() - t0
+                ledger.append(trained_step, groups)
+                # before the publish: a generator holding version `step` must find the buffer there already
+                tell_version(source, step)
+            t2 = time.monotonic()
+            if cfg.weight_sync_port and step % cfg.sync_every == 0:
+                publish(sender, policy, step, rank)
+            t_publish = time.monotonic() - t2
 
-        tb = to_train_batch(batch.scored, pad_id).to(device)
-        t1 = time.monotonic()
-        metrics = train_step(cfg, policy, critic, tb, step, world)
-        t_train = time.monotonic() - t1
-        trained_step, step = step, step + 1  # the weights are now version `step`
+            t3 = time.monotonic()
+            if cfg.save_every and step % cfg.save_every == 0:
+                checkpoint(cfg, step, policy, critic, ledger)
+                saved_step = step
+            t_save = time.monotonic() - t3
 
-        groups = step_group_ids(batch, world, device)
-        if rank == 0:
-            ledger.append(trained_step, groups)
-            # before the publish: a generator holding version `step` must find the buffer there already
-            tell_version(source, step)
-        t2 = time.monotonic()
-        if cfg.weight_sync_port and step % cfg.sync_every == 0:
-            publish(sender, policy, step, rank)
-        t_publish = time.monotonic() - t2
+            metrics.update(staleness_stats(batch))
+            metrics.update({"time/wait_for_batch": t_wait, "time/train_step": t_train,
+                            "time/publish": t_publish, "time/save": t_save})
+            metrics = reduce_across_ranks(metrics, device)
+            metrics["perf/tokens_per_s"] = metrics["perf/tokens"] / max(metrics["time/train_step"], 1e-9)
+            if rank == 0:
+                # the buffer's own numbers are rank 0's share's (their keys may differ between ranks)
+                for k, v in buffer_stats(batch).items():
+                    metrics.setdefault(k, v)
+                writer.log(trained_step, metrics)
+                log(f"step {trained_step}: loss {metrics['loss/policy']:.4f} reward {metrics['reward/mean']:.3f} "
+                    f"staleness {metrics.get('buffer/staleness_mean', 0):.2f} wait {t_wait:.2f}s train {t_train:.2f}s")
+            last = metrics
 
-        t3 = time.monotonic()
-        if cfg.save_every and step % cfg.save_every == 0:
-            if ledger is not None:
-                ledger.sync()
-            save_checkpoint(cfg.run_dir, step, policy, critic, cfg.model_path, keep=cfg.keep_checkpoints)
-            saved_step = step
-        t_save = time.monotonic() - t3
-
-        metrics.update(staleness_stats(batch))
-        metrics.update({"time/wait_for_batch": t_wait, "time/train_step": t_train,
-                        "time/publish": t_publish, "time/save": t_save})
-        metrics = reduce_across_ranks(metrics, device)
-        metrics["perf/tokens_per_s"] = metrics["perf/tokens"] / max(metrics["time/train_step"], 1e-9)
-        if rank == 0:
-            # the buffer's own numbers are rank 0's share's (their keys may differ between ranks)
-            for k, v in buffer_stats(batch).items():
-                metrics.setdefault(k, v)
-            writer.log(trained_step, metrics)
-            log(f"step {trained_step}: loss {metrics['loss/policy']:.4f} reward {metrics['reward/mean']:.3f} "
-                f"staleness {metrics.get('buffer/staleness_mean', 0):.2f} wait {t_wait:.2f}s train {t_train:.2f}s")
-        last = metrics
-
-    if step > start_step and saved_step != step:
-        if ledger is not None:
-            ledger.sync()
-        save_checkpoint(cfg.run_dir, step, policy, critic, cfg.model_path, keep=cfg.keep_checkpoints)
-    if ledger is not None:
-        ledger.close()
-    if writer is not None:
-        writer.close()
-    if sender is not None:
-        sender.close()
-    if own_source:
-        source.close()
+        if step > start_step and saved_step != step:
+            checkpoint(cfg, step, policy, critic, ledger)
     return last
 
 
@@ -192,7 +168,8 @@ def train_step(cfg: LearnerConfig, policy, critic, tb: TrainBatch, step: int, wo
     mask = tb.completion_mask
 
     # 2. pi_old: the weights at the start of the step, no grad (and the critic's values)
-    tb.prox_logprobs = forward_in_chunks(lambda mb: token_logprobs(policy, mb, cfg.temperature), tb, n_chunks)
+    tb.prox_logprobs = forward_in_chunks(
+        lambda mb: token_logprobs(policy, mb.input_ids, mb.attention_mask, temperature=cfg.temperature), tb, n_chunks)
     if critic is not None:
         tb.old_values = forward_in_chunks(lambda mb: critic(mb.input_ids, mb.attention_mask)[:, :-1], tb, n_chunks)
 
@@ -225,8 +202,7 @@ def train_step(cfg: LearnerConfig, policy, critic, tb: TrainBatch, step: int, wo
             num_tokens, num_seqs = mini_batch_denominators(tb.loss_mask, micro, world, grad_accum)
             for idx in micro:
                 mb = tb.select(idx)
-                out = policy(input_ids=mb.input_ids, attention_mask=mb.attention_mask, use_cache=False)
-                logits = out.logits[:, :-1]  # (b, t, V): position t predicts token t + 1
+                logits = next_token_logits(policy, mb.input_ids, mb.attention_mask)  # (b, t, V)
                 logprobs = gather_logprobs(logits, mb.input_ids[:, 1:], cfg.temperature)  # (b, t)
                 pg_loss, pg = policy_loss(
                     logprobs, mb.prox_logprobs, mb.advantages, mb.loss_mask, mb.weights,
@@ -258,9 +234,9 @@ def train_step(cfg: LearnerConfig, policy, critic, tb: TrainBatch, step: int, wo
                     sums["loss/value"] += v_loss.item() / grad_accum
                     for k, v in vm.items():
                         sums[f"critic/{k}"] += v / grad_accum
-            grad_norms.append(_float(policy.get_global_grad_norm()))
+            grad_norms.append(grad_norm(policy))
             if critic is not None:
-                critic_grad_norms.append(_float(critic.get_global_grad_norm()))
+                critic_grad_norms.append(grad_norm(critic))
 
     updates = cfg.updates_per_step
     metrics.update({k: v / updates for k, v in sums.items()})
@@ -307,12 +283,6 @@ def compute_advantages(cfg: LearnerConfig, tb: TrainBatch, kl_ref: torch.Tensor 
 # helpers
 
 
-def token_logprobs(policy, mb: TrainBatch, temperature: float) -> torch.Tensor:
-    """log pi of every next token of micro-batch `mb`: (b, t)."""
-    logits = policy(input_ids=mb.input_ids, attention_mask=mb.attention_mask, use_cache=False).logits
-    return gather_logprobs(logits[:, :-1], mb.input_ids[:, 1:], temperature)
-
-
 @torch.no_grad()
 def forward_in_chunks(fn, tb: TrainBatch, n_chunks: int) -> torch.Tensor:
     """fn over `n_chunks` slices of the share, reassembled to (B, T) (0 off the completion)."""
@@ -342,55 +312,63 @@ def shuffle_seed(cfg: LearnerConfig, step: int, epoch: int) -> int:
     return (cfg.seed * 1_000_003 + step * 1_009 + epoch) % (2**63)
 
 
-def all_reduce_sum(t: torch.Tensor) -> torch.Tensor:
-    t = t.clone()
-    dist.all_reduce(t, op=dist.ReduceOp.SUM)
-    return t
+# ------------------------------------------------------------------------------------------------
+# the buffer and the weight-sync service
 
 
-def reduce_across_ranks(metrics: dict[str, float], device: torch.device) -> dict[str, float]:
-    """Mean over ranks; `*_min` keys take the min, `*_max` the max, `perf/tokens|samples` the sum.
+class Outcome(IntEnum):
+    """What one rank got when it asked for its share; ranks agree on the lowest (an all-reduce MIN),
+    so one rank's trouble stops them all, together."""
 
-    Every rank must pass the same keys (the loop builds them the same way on each).
-    """
-    world = dist.get_world_size()
-    if world == 1:
-        return dict(metrics)
-    keys = sorted(metrics)
-    out = {}
-    groups = {"min": [k for k in keys if k.endswith("_min")], "max": [k for k in keys if k.endswith("_max")]}
-    groups["sum"] = [k for k in keys if k in ("perf/tokens", "perf/samples")]
-    taken = set(groups["min"]) | set(groups["max"]) | set(groups["sum"])
-    groups["mean"] = [k for k in keys if k not in taken]
-    ops = {"min": dist.ReduceOp.MIN, "max": dist.ReduceOp.MAX, "sum": dist.ReduceOp.SUM, "mean": dist.ReduceOp.SUM}
-    for kind, ks in groups.items():
-        if not ks:
-            continue
-        t = torch.tensor([metrics[k] for k in ks], dtype=torch.float64, device=device)
-        dist.all_reduce(t, op=ops[kind])
-        if kind == "mean":
-            t = t / world
-        out.update(zip(ks, t.tolist()))
-    return out
+    FAILED = 0  # no answer in time, or the buffer refused
+    DONE = 1  # the buffer has no more data
+    SHORT = 2  # fewer rollouts than the forwards every rank runs per pass
+    OK = 3
+
+
+@dataclasses.dataclass
+class Share:
+    """One rank's answer for one step, before the ranks agree."""
+
+    outcome: Outcome
+    batch: Batch | None = None
+    why: str = ""  # FAILED: the error
 
 
 def fetch_batch(source, step: int, rank: int, world: int, cfg: LearnerConfig, device: torch.device,
-                ledger: Ledger | None = None):
-    """This rank's share of step `step`, or None when the buffer is done. All ranks agree on which.
+                ledger: Ledger | None = None) -> Batch | None:
+    """This rank's share of step `step`, or None when the buffer is done. All ranks agree on which
+    (collective); a failure or a share too small for the step on any rank fails every rank."""
+    share = ask_for_share(source, step, rank, world, cfg, ledger)
+    flag = torch.tensor([int(share.outcome)], device=device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+    agreed = Outcome(int(flag.item()))
+    if agreed is Outcome.FAILED:
+        raise RuntimeError(f"rank {rank} got no batch for step {step} (batch_timeout_s={cfg.batch_timeout_s}): "
+                           + (share.why or "another rank failed to get its share"))
+    if agreed is Outcome.SHORT:
+        raise RuntimeError(
+            f"a rank's share of step {step} has fewer rollouts than num_mini_batches x gradient_accumulation_steps "
+            f"= {cfg.num_mini_batches * cfg.gradient_accumulation_steps} (this rank: "
+            f"{len(share.batch.scored) if share.batch else 0}); raise buffer.prompts_per_step or lower those")
+    return share.batch if agreed is Outcome.OK else None
+
+
+def ask_for_share(source, step: int, rank: int, world: int, cfg: LearnerConfig, ledger: Ledger | None) -> Share:
+    """This rank's own answer (no collective).
 
     While it waits, the buffer's diagnosis (admission, generators, scorers) is logged every
-    `wait_log_s`; after `batch_timeout_s` the run fails with it. A buffer that restarted from disk
+    `wait_log_s`; after `batch_timeout_s` it is FAILED with it. A buffer that restarted from disk
     asks for the resume handshake again: rank 0 gives it (the lineage is the one in memory).
     """
     def on_wait(waited_s: float, reason: str) -> None:
         log(f"rank {rank} waiting {waited_s:.0f}s for step {step}'s batch: {reason}")
 
-    batch, code, why = None, 0, ""  # -1: failed, 0: done, 1: unusable share, 2: fine
     deadline = time.monotonic() + cfg.batch_timeout_s
+    kw = {"on_wait": on_wait, "report_every_s": cfg.wait_log_s} if isinstance(source, BufferClient) else {}
     try:
         while True:
             try:
-                kw = {"on_wait": on_wait, "report_every_s": cfg.wait_log_s} if isinstance(source, BufferClient) else {}
                 batch = source.get_batch(step, rank, world, timeout_s=max(1.0, deadline - time.monotonic()), **kw)
                 break
             except ResumeNeeded:
@@ -402,25 +380,12 @@ def fetch_batch(source, step: int, rank: int, world: int, cfg: LearnerConfig, de
                     handshake(source, step, ledger)
                 else:
                     time.sleep(0.5)
-        need = cfg.num_mini_batches * cfg.gradient_accumulation_steps
-        code = 2 if len(batch.scored) >= need else 1
     except BufferDone:
-        pass
+        return Share(Outcome.DONE)
     except (TimeoutError, BufferError, OSError) as e:
-        code, why = -1, f"{type(e).__name__}: {e}"
-    flag = torch.tensor([code], device=device)
-    dist.all_reduce(flag, op=dist.ReduceOp.MIN)  # one rank's trouble stops them all, together
-    if flag.item() == -1:
-        raise RuntimeError(f"rank {rank} got no batch for step {step} (batch_timeout_s={cfg.batch_timeout_s}): "
-                           + (why or "another rank failed to get its share"))
-    if flag.item() == 0:
-        return None
-    if flag.item() == 1:
-        raise RuntimeError(
-            f"a rank's share of step {step} has fewer rollouts than num_mini_batches x gradient_accumulation_steps "
-            f"= {cfg.num_mini_batches * cfg.gradient_accumulation_steps} (this rank: "
-            f"{len(batch.scored) if batch else 0}); raise buffer.prompts_per_step or lower those")
-    return batch
+        return Share(Outcome.FAILED, why=f"{type(e).__name__}: {e}")
+    enough = len(batch.scored) >= cfg.num_mini_batches * cfg.gradient_accumulation_steps
+    return Share(Outcome.OK if enough else Outcome.SHORT, batch)
 
 
 def publish(sender, policy, version: int, rank: int) -> None:
@@ -468,7 +433,22 @@ def tell_version(source, version: int) -> None:
         log(f"could not tell the buffer version {version}: {e}")
 
 
-def _float(x) -> float:
-    if x is None:
-        return float("nan")
-    return float(x.item() if hasattr(x, "item") else x)
+def weight_sender(cfg: LearnerConfig, weight_sync=None):
+    """Rank 0's sender to the weight-sync service at cfg's address; `weight_sync` (the run's section)
+    sets its other knobs. The learner's own address and timeout win over the section's (they may be
+    overridden)."""
+    from weight_sync.sender import WeightSender
+
+    if weight_sync is None:
+        return WeightSender(cfg.weight_sync_host, cfg.weight_sync_port, cfg.weight_sync_timeout_s)
+    ours = {"host": cfg.weight_sync_host, "port": cfg.weight_sync_port, "timeout_s": cfg.weight_sync_timeout_s}
+    if hasattr(weight_sync, "model_copy"):  # a pydantic section
+        return WeightSender.from_config(weight_sync.model_copy(update=ours))
+    return WeightSender.from_config(dataclasses.replace(weight_sync, **ours))
+
+
+def checkpoint(cfg: LearnerConfig, step: int, policy, critic, ledger: Ledger | None) -> None:
+    """Save step `step` (collective); the ledger lines the checkpoint relies on reach the disk first."""
+    if ledger is not None:
+        ledger.sync()
+    save_checkpoint(cfg.run_dir, step, policy, critic, cfg.model_path, keep=cfg.keep_checkpoints)

@@ -95,8 +95,14 @@ def test_async_run_completes_although_a_generator_died(async_run):
     assert async_run["killed"] is not None
     assert async_run["code"] == 0, async_run["out"][-3000:]
     assert len(async_run["rows"]) == 40
-    log = (async_run["dir"] / "logs" / "generator-0.log").read_text()
-    assert "lease" in log  # the surviving generator kept working
+    # the surviving generator served to the end (ready, never restarted, stopped with the run); the
+    # killed one was started again
+    roles = {r["name"]: r for r in json.loads((async_run["dir"] / "status.json").read_text())["roles"]}
+    gen0, gen1 = roles["generator-0"], roles["generator-1"]
+    assert gen0["ready"] and gen0["ready"]["worker_id"] == "gen-0", gen0
+    assert (gen0["restarts"], gen0["starts"], gen0["state"]) == (0, 1, "stopped"), gen0
+    assert gen1["restarts"] >= 1 and gen1["starts"] == gen1["restarts"] + 1, gen1
+    assert json.loads((async_run["dir"] / "exit.json").read_text())["restarts"] >= 1
 
 
 @pytest.mark.slow

@@ -4,8 +4,8 @@ The test starts `python -m launch.buffer`, plays generator + scorer itself (take
 prompt groups, pushes fabricated scored rollouts answering it), then launches two ranks with
 `deepspeed --num_gpus 2` running `launch.learner`. A small driver around `launch.learner.main`
 records, per rank, which groups its shares held and a hash of its full parameters after the final
-checkpoint. Asserted: the shares are disjoint whole groups covering each step's batch, both ranks
-end with identical weights, the HF checkpoint holds exactly those weights, and the buffer was told
+checkpoint. Asserted: rank 0 signalled ready (the ready file) for a world of two, the shares are
+disjoint whole groups covering each step's batch, both ranks end with identical weights, the HF checkpoint holds exactly those weights, and the buffer was told
 the new version.
 """
 
@@ -23,6 +23,7 @@ import pytest
 
 from buffer.client import BufferClient
 from buffer.protocol import LeaseGrant
+from common.ready import read_ready
 from conftest import free_port_block, subprocess_env
 from test_learner_step import make_group
 
@@ -90,19 +91,24 @@ def _env(extra: dict[str, str] | None = None) -> dict[str, str]:
     return env
 
 
-def _start_buffer(config: Path, log_path: Path) -> subprocess.Popen:
-    log = open(log_path, "w")
-    p = subprocess.Popen([sys.executable, "-m", "launch.buffer", str(config)], env=_env(),
-                         stdout=subprocess.PIPE, stderr=log, text=True, cwd=TESTS.parent)
+def _start_buffer(config: Path, port: int, log_path: Path) -> subprocess.Popen:
+    """`python -m launch.buffer`, ready once its control port answers a metrics request."""
+    with open(log_path, "w") as log:
+        p = subprocess.Popen([sys.executable, "-m", "launch.buffer", str(config)], env=_env(),
+                             stdout=log, stderr=subprocess.STDOUT, cwd=TESTS.parent)
+    probe = BufferClient("127.0.0.1", port, timeout_s=1.0)
     deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        line = p.stdout.readline()
-        if line.startswith("buffer ready"):
-            return p
-        if not line and p.poll() is not None:
-            break
+    try:
+        while time.monotonic() < deadline and p.poll() is None:
+            try:
+                probe.metrics()
+                return p
+            except (TimeoutError, OSError):
+                continue
+    finally:
+        probe.close()
     p.kill()
-    raise AssertionError(f"buffer did not come up: {log_path.read_text()[-2000:]}")
+    raise AssertionError(f"buffer did not come up (exit {p.poll()}): {log_path.read_text()[-2000:]}")
 
 
 def _fill(client: BufferClient, groups: int) -> None:
@@ -163,7 +169,7 @@ learner:
   tensorboard: false
   batch_timeout_s: 60
 """)
-    buffer = _start_buffer(config, tmp_path / "buffer.log")
+    buffer = _start_buffer(config, port, tmp_path / "buffer.log")
     client = BufferClient("127.0.0.1", port, timeout_s=10)
     try:
         _fill(client, PROMPTS_PER_STEP * STEPS)
@@ -171,10 +177,13 @@ learner:
         driver.write_text(DRIVER)
         cmd = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", "2",
                "--master_port", str(free_port_block(1)), str(driver), str(config)]
-        proc = subprocess.run(cmd, env=_env({"TEST_OUT": str(tmp_path)}), cwd=TESTS.parent,
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=240)
+        ready_file = tmp_path / "learner.ready"
+        env = _env({"TEST_OUT": str(tmp_path), "CONVEYOR_READY_FILE": str(ready_file)})
+        proc = subprocess.run(cmd, env=env, cwd=TESTS.parent, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                              text=True, timeout=240)
         assert proc.returncode == 0, proc.stdout[-4000:]
-        assert "learner ready: 2 rank(s)" in proc.stdout
+        ready = read_ready(ready_file)  # rank 0 said so once both ranks had built their engines
+        assert ready and (ready["role"], ready["world"], ready["step"]) == ("learner", 2, 0), ready
         buffer_version = client.metrics()["buffer/version"]
     finally:
         client.close()
@@ -188,6 +197,7 @@ learner:
         g0 = set(shares[0][step]["groups"])
         g1 = set(shares[1][step]["groups"])
         assert shares[0][step]["step"] == shares[1][step]["step"] == step
+        assert shares[0][step]["world_size"] == shares[1][step]["world_size"] == 2
         assert g0 and g1 and not g0 & g1
         assert len(g0 | g1) == PROMPTS_PER_STEP
         assert shares[0][step]["n"] == len(g0) * N_SAMPLES and shares[1][step]["n"] == len(g1) * N_SAMPLES

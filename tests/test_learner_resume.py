@@ -100,7 +100,9 @@ def test_resume_matches_uninterrupted_run(tiny_model_dir, tmp_path):
 
     rc, out = _finish(_start(driver, tiny_model_dir, crashed, kill_at=-1, resume=True))
     assert rc == 0, out[-3000:]
-    assert "resumed from" in out and "step_2" in out
+    # the resumed run appended steps 2 and 3 only: it started from step_2, not from scratch
+    rows = [json.loads(line) for line in (crashed / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    assert [r["step"] for r in rows] == [0, 1, 2, 2, 3]
 
     a, b = _by_step(straight), _by_step(crashed)
     assert sorted(a) == sorted(b) == [0, 1, 2, 3]

@@ -91,9 +91,8 @@ def test_mini_batches_cover_every_row_once():
 
 
 def test_config_errors_quote_bad_values():
-    cfg = LearnerConfig(model_path="m", clip_eps_low=1.5, behav_low=3.0, behav_high=2.0, dual_clip_c=0.5)
-    with pytest.raises(ValueError) as e:
-        cfg.validate()
+    with pytest.raises(ValueError) as e:  # refused when built, every bad value at once
+        LearnerConfig(model_path="m", clip_eps_low=1.5, behav_low=3.0, behav_high=2.0, dual_clip_c=0.5).validate()
     msg = str(e.value)
     assert "clip_eps_low=1.5" in msg and "behav_low=3.0" in msg and "dual_clip_c=0.5" in msg
 
@@ -156,28 +155,36 @@ def test_ppo_critic_fits_the_returns(tiny_model_dir, tmp_path):
     assert (tmp_path / "run" / "checkpoints" / "step_3" / "critic" / "state").is_dir()
 
 
-def test_rank0_publishes_full_weights_every_sync(tiny_model_dir, tmp_path, monkeypatch):
-    """The weight-sync call site, with a stand-in sender: under ZeRO-3 every parameter is gathered
-    whole and published in HF naming, as version 1 then 2; version 2 is what the checkpoint holds."""
+@pytest.fixture
+def published(monkeypatch) -> list:
+    """A stand-in WeightSender; the list it returns gets (version, {name: tensor}) per publish and
+    ("closed", {}) when the sender is closed."""
     import weight_sync.sender
-    from safetensors.torch import load_file
 
-    from learner.trainer import run
-
-    published = []
+    out = []
 
     class FakeSender:
         def __init__(self, host, port, timeout_s):
             self.address = (host, port)
 
         def publish(self, version, named_tensors):
-            published.append((version, {name: t.clone() for name, t in named_tensors}))
+            out.append((version, {name: t.clone() for name, t in named_tensors}))
             return {}
 
         def close(self):
-            published.append(("closed", {}))
+            out.append(("closed", {}))
 
     monkeypatch.setattr(weight_sync.sender, "WeightSender", FakeSender)
+    return out
+
+
+def test_rank0_publishes_full_weights_every_sync(tiny_model_dir, tmp_path, published):
+    """The weight-sync call site, with a stand-in sender: under ZeRO-3 every parameter is gathered
+    whole and published in HF naming, as version 1 then 2; version 2 is what the checkpoint holds."""
+    from safetensors.torch import load_file
+
+    from learner.trainer import run
+
     scored = make_group(0, 4, [1.0, 0.0, 0.5, 0.2]) + make_group(1, 4, [0.0, 0.3, 1.0, 1.0])
     cfg = LearnerConfig(model_path=str(tiny_model_dir), run_dir=str(tmp_path / "run"), total_steps=2, lr=1e-3,
                         zero_stage=3, weight_sync_port=5999, sync_every=1, tensorboard=False)
@@ -191,3 +198,39 @@ def test_rank0_publishes_full_weights_every_sync(tiny_model_dir, tmp_path, monke
     for name, t in v2.items():
         assert t.shape == initial[name].shape and torch.equal(t, saved[name]), name
     assert any(not torch.equal(published[0][1][n], v2[n]) for n in v2)  # version 2 differs from 1
+
+
+def test_a_failing_step_still_closes_what_the_loop_opened(tiny_model_dir, tmp_path, published):
+    """kl_coef > 0 with rollouts that carry no reference log-probs fails step 0; the sender is closed
+    anyway, the ledger and the metrics file are closed and hold nothing of the failed step."""
+    from learner.metrics import read_metrics
+    from learner.trainer import run
+
+    scored = make_group(0, 4, [1.0, 0.0, 0.5, 0.2]) + make_group(1, 4, [0.0, 0.3, 1.0, 1.0])
+    cfg = LearnerConfig(model_path=str(tiny_model_dir), run_dir=str(tmp_path / "run"), total_steps=2, kl_coef=0.1,
+                        zero_stage=0, weight_sync_port=5999, tensorboard=False)
+    source = ListSource({0: scored, 1: scored})
+    with pytest.raises(ValueError, match="kl_coef=0.1 needs ref_logprobs"):
+        run(cfg, source=source)
+    assert published == [("closed", {})]  # nothing published (fresh start, no step done), but closed
+    assert read_metrics(tmp_path / "run") == [] and (tmp_path / "run" / "ledger.jsonl").read_text() == ""
+    assert source.versions == [0]  # told the start, never a version that was not trained
+    assert not (tmp_path / "run" / "checkpoints").exists()
+
+
+def test_the_learners_weight_sync_address_wins_over_the_section(tmp_path):
+    """learner.weight_sync_host/port/timeout_s (which launchers may override) beat the `weight_sync:`
+    section's; the section's own sender knobs (backend, bucket size) are kept."""
+    from weight_sync.config import WeightSyncConfig
+
+    from learner.trainer import weight_sender
+
+    cfg = LearnerConfig(model_path="m", weight_sync_host="127.0.0.1", weight_sync_port=5999, weight_sync_timeout_s=7.0)
+    section = WeightSyncConfig(host="10.0.0.1", port=1234, timeout_s=60.0, backend="disk", disk_dir=str(tmp_path),
+                               bucket_mb=8)
+    sender = weight_sender(cfg, section)
+    try:
+        assert (sender.cfg.host, sender.cfg.port, sender.timeout_s) == ("127.0.0.1", 5999, 7.0)
+        assert sender.backend == "disk" and sender.bucket_bytes == 8 << 20
+    finally:
+        sender.close()

@@ -1,0 +1,117 @@
+"""Where `launch.ray` puts each role: a placement group per role, one bundle per process.
+
+Every role's group is placed before any role starts (all or nothing): the learner's ranks together
+(`ray.learner.strategy`), the generators likewise; a generator's tensor-parallel workers share its
+one bundle. A request no node can hold was refused before (`ray_config.check_resources`); one that
+fits but waits fails after `ray.placement_timeout_s`, saying what is free. Generators added by
+`scale` beyond the run's first group get a one-bundle group each, removed with its last process.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from launch.ray_config import ResourceError, fmt_res
+
+
+@dataclass
+class Slot:
+    """One bundle of a placement group: where one role process goes."""
+
+    pg: Any
+    index: int
+    bundle: dict
+    group: "Group"
+
+
+@dataclass
+class Group:
+    """A placement group and which of its bundles are taken."""
+
+    role: str
+    pg: Any
+    bundles: list[dict]
+    keep: bool = True  # removed when its last slot is freed (generators added by `scale`) unless kept
+    taken: set = field(default_factory=set)
+
+    def free_slot(self) -> Slot | None:
+        for i, b in enumerate(self.bundles):
+            if i not in self.taken:
+                return Slot(self.pg, i, b, self)
+        return None
+
+
+class Placement:
+    """The placement groups of one attempt of a run."""
+
+    def __init__(self, ray, rcfg, run, run_name: str, attempt: int):
+        self.ray, self.rcfg, self.run = ray, rcfg, run
+        self.run_name, self.attempt = run_name, attempt
+        self.groups: list[Group] = []
+        self.placed = 0  # placement groups made so far (their names must differ)
+
+    def bundle(self, kind: str) -> dict:
+        r = getattr(self.rcfg, kind)
+        return r.bundle(self.run.generator.tensor_parallel_size if kind == "generator" else 1)
+
+    def demands(self) -> list[tuple[str, list[dict], str]]:
+        """(role, one bundle per process, strategy) for every role of the run."""
+        r = self.run.run
+        counts = {"buffer": 1, "weight_sync": 1, "scorer": r.num_scorers, "generator": r.num_generators,
+                  "learner": r.learner_ranks}
+        return [(k, [self.bundle(k)] * n, getattr(self.rcfg, k).strategy) for k, n in counts.items()]
+
+    def alive_nodes(self) -> list[dict]:
+        return [dict(n["Resources"]) for n in self.ray.nodes() if n.get("Alive")]
+
+    def place(self, role: str, bundles: list[dict], strategy: str, timeout_s: float, keep: bool = True) -> Group:
+        from ray.util.placement_group import placement_group, remove_placement_group
+
+        # the attempt in the name: the last attempt's groups may still be going away
+        pg = placement_group(bundles, strategy=strategy, name=f"{self.run_name}/{role}-{self.attempt}.{self.placed}")
+        self.placed += 1
+        if not pg.wait(timeout_s):
+            remove_placement_group(pg)
+            avail = self.ray.available_resources()
+            raise ResourceError(
+                f"role {role!r}: {len(bundles)} x {{" + ", ".join(fmt_res(k, v) for k, v in bundles[0].items())
+                + f"}} ({strategy}) could not be placed within {timeout_s:.0f}s (ray.placement_timeout_s); "
+                "free now: " + ", ".join(fmt_res(k, avail.get(k, 0.0)) for k in ("CPU", "GPU", "memory")))
+        g = Group(role, pg, bundles, keep)
+        self.groups.append(g)
+        return g
+
+    def place_all(self) -> dict[str, Group]:
+        """Every role's group, before any role starts."""
+        return {kind: self.place(kind, bundles, strategy, self.rcfg.placement_timeout_s)
+                for kind, bundles, strategy in self.demands()}
+
+    def take(self, group: Group) -> Slot:
+        slot = group.free_slot()
+        assert slot is not None, f"no free bundle in {group.role}'s placement group"
+        group.taken.add(slot.index)
+        return slot
+
+    def take_free(self, role: str) -> Slot | None:
+        """A free bundle in any of `role`'s groups (one a scaled-down generator left), if there is one."""
+        for g in self.groups:
+            if g.role == role and g.free_slot() is not None:
+                return self.take(g)
+        return None
+
+    def release(self, slot: Slot) -> None:
+        from ray.util.placement_group import remove_placement_group
+
+        g = slot.group
+        g.taken.discard(slot.index)
+        if not g.taken and not g.keep:
+            remove_placement_group(g.pg)
+            self.groups.remove(g)
+
+    def remove_all(self) -> None:
+        from ray.util.placement_group import remove_placement_group
+
+        for g in self.groups:
+            remove_placement_group(g.pg)
+        self.groups = []

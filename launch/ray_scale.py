@@ -1,0 +1,62 @@
+"""`launch.ray scale`: the driver brings the number of generators to what the controller wants.
+
+Scaling down stops the newest generators first: each gets SIGTERM, finishes the batch it is
+generating and exits (its unanswered leases expire and the buffer issues them again); its bundle
+is freed. Scaling up takes a free bundle of the generators' group, else places a new one-bundle
+group (a short wait: the supervision loop is blocked meanwhile); a generator that does not fit is
+refused with a message, the controller is told the count the run stays at, and the run goes on.
+A new generator loads the learner's current weights before its first lease (actors/generator.py).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from launch.ray_config import ResourceError, check_resources
+from launch.roles import State
+
+if TYPE_CHECKING:
+    from launch.ray_run import RayRun
+
+ACTIVE = (State.RUNNING, State.RESTARTING)
+
+
+def active_generators(job: "RayRun") -> list:
+    return [p for p in job.procs if p.spec.kind == "generator" and p.state in ACTIVE]
+
+
+def scale_to(job: "RayRun", wanted: int) -> None:
+    active = active_generators(job)
+    if wanted == len(active):
+        return
+    if wanted < len(active):
+        for p in active[wanted:]:  # the newest go first
+            job.say(f"scale: stopping {p.name} (it finishes its batch; its leases go back to the buffer)")
+            if p.actor is None:  # waiting for a new actor after its old one was lost
+                p.state = State.STOPPED
+                job.retire(p)
+                continue
+            p.state = State.STOPPING
+            p.actor.stop.remote()
+        return
+    placement = job.placement
+    for _ in range(wanted - len(active)):
+        slot = placement.take_free("generator")
+        try:
+            if slot is None:
+                b = placement.bundle("generator")
+                if job.rcfg.check_resources:
+                    check_resources([("generator", [b], "PACK")], placement.alive_nodes())
+                group = placement.place("generator", [b], "PACK", min(30.0, job.rcfg.placement_timeout_s), keep=False)
+                slot = placement.take(group)
+            p = job.add_generator(slot)
+            job.start(p)
+        except ResourceError as e:
+            if slot is not None:
+                placement.release(slot)
+            now = len(active_generators(job))
+            job.ray.get(job.controller.scale.remote(now))
+            job.say(f"scale: cannot add a generator: {e}; staying at {now}")
+            return
+        job.say(f"scale: {p.name} started on {p.node['ip']} (pid {p.pid}); it catches up with the current "
+                "weights before its first lease")
