@@ -2,6 +2,7 @@
 
     .venv/bin/python bench/weight_sync.py [--layers 8 --hidden 1024 --intermediate 2816] [--reps 3]
                                           [--bucket-mb 256] [--no-vllm]
+    .venv/bin/python bench/weight_sync.py --quick     # a ~3M-parameter model, 3 reps, no vLLM (~1 min)
 
 A Llama of ~100M parameters (fp32, random weights, built on the fly) travels from this process
 (learner rank 0's role) to one receiver process, three ways:
@@ -78,18 +79,15 @@ def receiver(a) -> None:
             if info is None:
                 time.sleep(0.005)
         named, stats = receive_named_tensors(info, buffers=buffers)
-        ws.done(info["version"], load_s=0.0)
+        ws.done(info.version, load_s=0.0)
     ws.unregister()
 
 
 def vllm_generator(a) -> None:
-    from vllm import LLM
-
-    from actors.vllm_worker import apply_round
+    from actors.vllm_engine import VLLMEngine
     from weight_sync.client import GeneratorSyncClient
 
-    llm = LLM(a.model, dtype="float32", max_model_len=256, enforce_eager=True, disable_log_stats=True,
-              worker_extension_cls="actors.vllm_worker.WorkerExtension")
+    engine = VLLMEngine(a.model, dtype="float32", max_model_len=256)
     ws = GeneratorSyncClient("127.0.0.1", a.port, "bench-vllm", timeout_s=60)
     ws.register("vllm")
     print("VLLM_READY", flush=True)
@@ -100,9 +98,11 @@ def vllm_generator(a) -> None:
             if info is None:
                 time.sleep(0.005)
         t0 = time.monotonic()
-        stats = apply_round(llm, info)
-        ws.done(info["version"], load_s=stats["load_s"])
+        stats = engine.receive_weights(info)  # the first worker's stats; the engine is now at info.version
+        assert engine.version == info.version
+        ws.done(info.version, load_s=stats["load_s"])
         print("VLLM_STATS " + json.dumps({**stats, "rpc_s": time.monotonic() - t0}), flush=True)
+    engine.close()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -117,11 +117,14 @@ def main() -> None:
     p.add_argument("--reps", type=int, default=9)
     p.add_argument("--bucket-mb", type=float, default=256.0)
     p.add_argument("--no-vllm", action="store_true")
+    p.add_argument("--quick", action="store_true", help="a small model, 3 reps, no vLLM: a smoke run")
     p.add_argument("--role", default="sender", choices=["sender", "receiver", "vllm"])
     p.add_argument("--model", default="")
     p.add_argument("--port", type=int, default=0)
     p.add_argument("--store-port", type=int, default=0)
     a = p.parse_args()
+    if a.quick:
+        a.layers, a.hidden, a.intermediate, a.reps, a.no_vllm = 2, 256, 512, 3, True
     if a.role == "receiver":
         return receiver(a)
     if a.role == "vllm":

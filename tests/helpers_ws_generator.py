@@ -53,7 +53,7 @@ class Events:
 
 def die_after_first_bucket() -> None:
     """Make the first bucket of the first round the last thing this process does."""
-    import weight_sync.receiver as R
+    import weight_sync.round as R
 
     orig = R.make_group
 
@@ -82,8 +82,8 @@ def run_transformers(a, ws, ev: Events) -> None:
         except RoundMissed as e:
             ev.emit(kind="missed", error=str(e))
             return
-        ws.done(info["version"], load_s=stats["load_s"])
-        ev.emit(kind="round", version=info["version"], catch_up=info["catch_up"], backend=info["backend"],
+        ws.done(info.version, load_s=stats["load_s"])
+        ev.emit(kind="round", version=info.version, catch_up=info.catch_up, backend=info.backend,
                 digest=digest(model.state_dict().items()), stats=stats)
 
     if a.wait_current:
@@ -137,7 +137,7 @@ async def run_vllm(a, ws, ev: Events) -> None:
             continue
         extra = {}
         try:
-            if info["mode"] == "interrupt":
+            if info.mode == "interrupt":
                 # a long request in flight when the round arrives
                 n_seen = 0
                 long_params = SamplingParams(temperature=0.0, max_tokens=LONG_TOKENS, ignore_eos=True)
@@ -157,10 +157,10 @@ async def run_vllm(a, ws, ev: Events) -> None:
             else:
                 stats = await apply_round_async(engine, info)
         except Exception as e:  # RoundMissed, wrapped by collective_rpc: the engine must keep serving
-            ev.emit(kind="missed", version=info["version"], error=f"{type(e).__name__}: {e}")
+            ev.emit(kind="missed", version=info.version, error=f"{type(e).__name__}: {e}")
             continue
-        ws.done(info["version"], load_s=stats["load_s"])
-        ev.emit(kind="round", version=info["version"], catch_up=info["catch_up"], mode=info["mode"],
+        ws.done(info.version, load_s=stats["load_s"])
+        ev.emit(kind="round", version=info.version, catch_up=info.catch_up, mode=info.mode,
                 outputs=await outputs(), stats=stats, **extra)
     engine.shutdown()
 

@@ -36,7 +36,7 @@ def hf(tiny_model_dir):
 def vllm_engine(tiny_model_dir):
     from actors.engines import VLLMEngine
 
-    engine = VLLMEngine(str(tiny_model_dir), dtype="float32", seed=0, worker_extension="")
+    engine = VLLMEngine(str(tiny_model_dir), dtype="float32", seed=0)  # with the worker extension: it loads rounds
     yield engine
     engine.close()
 
@@ -176,3 +176,62 @@ def test_generator_config_errors_quote_the_values():
     assert "generator.top_p=1.5" in msg and "prompt_max_len=60 + max_new_tokens=128 exceeds max_model_len=64" in msg
     with pytest.raises(ConfigError, match="'sglang' is not one of"):
         load_section(GeneratorConfig, "generator", None, ["--generator.model", "/m", "--generator.engine", "sglang"])
+
+
+# ---------------------------------------------------------------------------------------------
+# weights: an engine owns its version
+
+
+def _disk_round(folder, named: dict, version: int, round_id: int = 1, saved: dict | None = None):
+    """A weight-sync round of the disk backend announcing `named`, its folder holding `saved`
+    (default: `named`, as the sender writes it)."""
+    from safetensors.torch import save_file
+
+    from weight_sync import buckets as bk
+    from weight_sync.messages import RoundInfo
+
+    folder.mkdir(parents=True, exist_ok=True)
+    save_file({n: t.contiguous() for n, t in (named if saved is None else saved).items()},
+              str(folder / "model.safetensors"))
+    manifest = bk.plan(bk.specs_of(named.items())[0], 1 << 20)
+    return RoundInfo(round_id, version, "disk", "finish", 10.0, False, manifest, path=str(folder))
+
+
+def test_transformers_engine_stamps_the_version_of_the_round_it_loaded(tmp_path, tiny_model_dir):
+    """A loaded round sets the engine's version (what the generator stamps on tokens); a round
+    that goes on without it leaves weights and version as they were."""
+    from weight_sync.receiver import RoundMissed
+
+    engine = TransformersEngine(str(tiny_model_dir), seed=0)
+    try:
+        assert engine.version == 0
+        sent = {n: p.detach() * 0.5 for n, p in engine.model.named_parameters()}
+        stats = engine.receive_weights(_disk_round(tmp_path / "v7", sent, 7))
+        assert engine.version == 7 and stats["version"] == 7
+        assert all(torch.equal(p, sent[n]) for n, p in engine.model.named_parameters())
+        # a round naming a tensor its folder lacks: missed, nothing loaded
+        info = _disk_round(tmp_path / "v8", {"missing": torch.ones(2)}, 8, 2, saved={"other": torch.ones(2)})
+        with pytest.raises(RoundMissed):
+            engine.receive_weights(info)
+        assert engine.version == 7
+        assert all(torch.equal(p, sent[n]) for n, p in engine.model.named_parameters())
+    finally:
+        engine.close()
+
+
+@pytest.mark.slow
+def test_vllm_engine_loads_a_round_and_stamps_its_version(vllm_engine, hf, tmp_path):
+    """The round crosses collective_rpc as a plain map into the worker extension; the engine then
+    generates with the new weights and says which version they are. (Last in this module: it
+    puts the original weights back at the end.)"""
+    ids = _prompt_ids(vllm_engine.tokenizer)
+    s = Sampling(temperature=0.0, max_tokens=16)
+    before = [g[0].token_ids for g in vllm_engine.generate(ids, 1, s)]
+    original = {n: p.detach().clone() for n, p in hf.model.named_parameters()}
+    flipped = {n: -t for n, t in original.items()}  # another model: greedy continuations change
+    vllm_engine.receive_weights(_disk_round(tmp_path / "v3", flipped, 3))
+    assert vllm_engine.version == 3
+    assert [g[0].token_ids for g in vllm_engine.generate(ids, 1, s)] != before
+    vllm_engine.receive_weights(_disk_round(tmp_path / "v4", original, 4, round_id=2))
+    assert vllm_engine.version == 4
+    assert [g[0].token_ids for g in vllm_engine.generate(ids, 1, s)] == before

@@ -168,16 +168,16 @@ def test_vllm_engine_survives_a_round_that_never_runs(vllm_generator, seed1_mode
     """A round whose sender never shows up: receive_weights gives up within the round's timeout,
     the error comes back through collective_rpc, and the engine keeps its weights and serving."""
     from weight_sync import buckets as bk
-    from weight_sync.client import ControlChannel
+    from weight_sync.client import ask, channel
     from weight_sync.messages import Ready
-    from weight_sync.receiver import open_store
+    from weight_sync.round import open_store
 
     svc, port, gen, sender, ready = vllm_generator
     sent = state_dict(seed1_model_dir)
     manifest = bk.plan(bk.specs_of(sent.items())[0], 256 << 20)
     store = open_store("127.0.0.1", 0, 10, is_master=True)  # a rendezvous nobody will drive
-    ControlChannel("127.0.0.1", port).request(
-        Ready("ghost-sender", 7, "gloo", manifest, "127.0.0.1", store.port, "", False, 2.0, 1.0))
+    ask(channel("127.0.0.1", port), Ready("ghost-sender", 7, "gloo", manifest, "127.0.0.1", store.port, "", False,
+                                         2.0, 1.0))
     ev = gen.wait(lambda e: e["kind"] == "missed" and e["version"] == 7, 30)
     assert "no roster" in ev["error"]
     assert status(port)["generators"]["vllm0"]["version"] < 7
@@ -280,7 +280,7 @@ def test_disk_round_and_disk_catch_up(tmp_path, tiny_model_dir, seed1_model_dir)
         assert stats["members"] == ["early"] and stats["path"].endswith("v00000003")
         assert (Path(stats["path"]) / "model.safetensors").exists() and (Path(stats["path"]) / "manifest.json").exists()
         info = early.poll()
-        assert info["backend"] == "disk" and info["version"] == 3
+        assert info.backend == "disk" and info.version == 3
         receive_into_model(model, info)
         early.done(3)
         assert all(torch.equal(p, sent[n]) for n, p in model.state_dict().items())
@@ -290,7 +290,7 @@ def test_disk_round_and_disk_catch_up(tmp_path, tiny_model_dir, seed1_model_dir)
         late = GeneratorSyncClient("127.0.0.1", port, "late")
         late.register("transformers")
         info = late.wait_current(5)
-        assert info["catch_up"] and info["version"] == 4
+        assert info.catch_up and info.version == 4
         model2 = load_causal_lm(str(tiny_model_dir))
         receive_into_model(model2, info)
         late.done(4)

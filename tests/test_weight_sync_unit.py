@@ -3,10 +3,12 @@ between threads, and a service that keeps serving through malformed requests."""
 
 from __future__ import annotations
 
+import copy
 import threading
 import time
 
 import msgpack
+import msgspec
 import pytest
 import torch
 import zmq
@@ -14,22 +16,25 @@ import zmq
 from conftest import free_port_block
 from launch.config import ConfigError, load_section
 from weight_sync import buckets as bk
-from weight_sync.client import GeneratorSyncClient, WeightSyncError
+from weight_sync.client import GeneratorSyncClient, WeightSyncError, ask
 from weight_sync.config import WeightSyncConfig
 from weight_sync.messages import (
     Done,
     Go,
     Idle,
+    Member,
     Offer,
     PendingRequest,
     Poll,
     ProtocolError,
     Ready,
     Register,
+    RoundInfo,
     RoundResult,
+    RoundStats,
     decode,
     encode,
-    validate_round_info,
+    round_info,
 )
 from weight_sync.receiver import RoundMissed, receive_named_tensors
 from weight_sync.sender import WeightSender
@@ -49,9 +54,12 @@ def test_bucket_layout_worked_example():
     specs = [("a", "float32", [10, 10]), ("b", "bfloat16", [3]), ("c", "float32", [300]),
              ("d", "int64", [64]), ("e", "bool", [5])]
     m = bk.plan(specs, 1024)
-    assert m["buckets"] == [1024, 1200, 5]
-    assert [t[3:] for t in m["tensors"]] == [[0, 0], [0, 448], [1, 0], [0, 512], [2, 0]]
-    assert bk.validate_manifest(m) is m
+    assert m.buckets == [1024, 1200, 5]
+    assert [[t.bucket, t.offset] for t in m.tensors] == [[0, 0], [0, 448], [1, 0], [0, 512], [2, 0]]
+    # on the wire: [name, dtype, shape, bucket, offset] per tensor, and back unchanged
+    wire = msgspec.to_builtins(m)
+    assert wire["tensors"][1] == ["b", "bfloat16", [3], 0, 448]
+    assert msgspec.convert(wire, bk.Manifest) == m
 
 
 def test_pack_unpack_round_trip_mixed_dtypes_and_oversized_tensor():
@@ -77,12 +85,12 @@ def test_pack_unpack_round_trip_mixed_dtypes_and_oversized_tensor():
         assert torch.equal(got, want), n
     # views, not copies: writing the bucket changes the unpacked tensor
     buckets[0].zero_()
-    assert all(float(t.float().abs().sum()) == 0 for n, t in bk.unpack(m, buckets) if dict(
-        (x[0], x[3]) for x in m["tensors"])[n] == 0)
+    assert all(float(t.float().abs().sum()) == 0 for n, t in bk.unpack(m, buckets) if {
+        x.name: x.bucket for x in m.tensors}[n] == 0)
 
 
 def test_manifest_validation_names_the_bad_field():
-    good = bk.plan([("a", "float32", [4]), ("b", "float32", [4])], 1024)
+    good = msgspec.to_builtins(bk.plan([("a", "float32", [4]), ("b", "float32", [4])], 1024))
     cases = {
         "manifest.tensors[0].dtype": lambda m: m["tensors"][0].__setitem__(1, "complex32"),
         "manifest.tensors[1].offset": lambda m: m["tensors"][1].__setitem__(4, 66),  # not a multiple of 4
@@ -92,11 +100,16 @@ def test_manifest_validation_names_the_bad_field():
         "manifest.buckets[0]": lambda m: m["buckets"].__setitem__(0, -1),
     }
     for field, spoil in cases.items():
-        m = {"buckets": list(good["buckets"]), "tensors": [list(t) for t in good["tensors"]]}
+        m = copy.deepcopy(good)
         spoil(m)
-        with pytest.raises(bk.ManifestError) as e:
-            bk.validate_manifest(m)
-        assert e.value.field == field
+        with pytest.raises(ProtocolError) as e:  # as a peer's `ready` carries it
+            decode(msgpack.packb({"v": 1, "type": "ready", "sender_id": "l", "version": 1, "backend": "gloo",
+                                  "manifest": m, "host": "127.0.0.1", "port": 1}))
+        assert e.value.field == f"ready.{field}"
+    # a manifest built here is checked too
+    with pytest.raises(ProtocolError) as e:
+        bk.Manifest([16], [bk.TensorSpec("a", "float32", [4], 0, 2)])
+    assert e.value.field == "manifest.tensors[0].offset"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -107,12 +120,12 @@ def _manifest():
     return bk.plan([("w", "float32", [2, 2])], 1024)
 
 
-def _info(**kw):
-    info = {"round_id": 1, "version": 3, "backend": "gloo", "mode": "finish", "timeout_s": 10.0, "catch_up": False,
-            "manifest": _manifest(), "bucket_bytes": 16, "host": "127.0.0.1", "port": 1234, "path": "",
-            "rank": 1, "local_world_size": 1, "world_size": 2}
+def _info(**kw) -> RoundInfo:
+    info = dict(round_id=1, version=3, backend="gloo", mode="finish", timeout_s=10.0, catch_up=False,
+                manifest=_manifest(), bucket_bytes=16, host="127.0.0.1", port=1234, path="",
+                rank=1, local_world_size=1, world_size=2)
     info.update(kw)
-    return info
+    return RoundInfo(**info)
 
 
 def test_messages_round_trip():
@@ -123,9 +136,9 @@ def test_messages_round_trip():
         Idle(3, 0.5),
         Done("g0", 4, True, 0.25, ""),
         Ready("learner0", 4, "gloo", _manifest(), "10.0.0.1", 29500, "", True, 60.0, 5.0),
-        Go(7, 4, [["g0", 1, 2], ["g1", 3, 1]], 4, False, [6]),
+        Go(7, 4, [Member("g0", 1, 2), Member("g1", 3, 1)], 4, False, [6]),
         PendingRequest("learner0", 4, 1.0),
-        RoundResult(7, 4, ["g0"], [], ["g1"], {"bytes": 16, "broadcast_s": 0.1}),
+        RoundResult(7, 4, ["g0"], [], ["g1"], RoundStats(bytes=16, broadcast_s=0.1)),
     ]
     for m in msgs:
         assert decode(encode(m)) == m
@@ -142,8 +155,12 @@ def test_messages_round_trip():
     (msgpack.packb({"v": 1, "type": "done", "worker_id": "g0", "version": 1, "ok": "yes", "load_s": 0.0,
                     "error": ""}), "done.ok"),
     (msgpack.packb({"v": 1, "type": "ready", "sender_id": "l", "version": 1, "backend": "gloo",
-                    "manifest": _manifest(), "host": "", "port": 0, "path": "", "can_catch_up": True,
-                    "timeout_s": 1.0, "join_timeout_s": 1.0}), "ready.port"),
+                    "manifest": msgspec.to_builtins(_manifest()), "host": "", "port": 0, "path": "",
+                    "can_catch_up": True, "timeout_s": 1.0, "join_timeout_s": 1.0}), "ready.port"),
+    (msgpack.packb({"v": 1, "type": "go", "round_id": 1, "version": 1, "members": [["g0", 0, 1]],
+                    "world_size": 2}), "go.members[0].first_rank"),
+    (msgpack.packb({"v": 1, "type": "round", "info": {**msgspec.to_builtins(_info()), "world_size": 1}}),
+     "round.info.rank"),
 ])
 def test_malformed_messages_name_the_field(payload, field):
     with pytest.raises(ProtocolError) as e:
@@ -152,13 +169,17 @@ def test_malformed_messages_name_the_field(payload, field):
 
 
 def test_round_info_validation():
-    assert validate_round_info(_info()) is not None
+    info = _info()
+    assert round_info(msgspec.to_builtins(info)) == info  # as it crosses collective_rpc, and back
     with pytest.raises(ProtocolError) as e:  # ranks 1..2 of a 2-rank world: rank 2 does not exist
-        validate_round_info(_info(local_world_size=2))
+        _info(local_world_size=2)
     assert e.value.field == "round_info.rank"
     with pytest.raises(ProtocolError) as e:
-        validate_round_info(_info(backend="disk", path=""))
+        _info(backend="disk", path="")
     assert e.value.field == "round_info.path"
+    with pytest.raises(ProtocolError) as e:  # a plain map is checked field by field
+        round_info({**msgspec.to_builtins(info), "timeout_s": -1.0})
+    assert e.value.field == "round_info.timeout_s"
 
 
 def test_config_checks_quote_bad_values():
@@ -197,31 +218,31 @@ def test_service_rounds_ranks_versions_and_lag():
     s.handle(Register("b", "vllm", 2, -1))  # a 2-worker engine: two consecutive ranks
     assert isinstance(s.handle(Poll("a", -1)), Idle)  # nothing published yet
     go = s.handle(_ready(1))
-    assert go.members == [["a", 1, 1], ["b", 2, 2]] and go.world_size == 4
+    assert go.members == [Member("a", 1, 1), Member("b", 2, 2)] and go.world_size == 4
     offer = s.handle(Poll("b", -1))
-    assert isinstance(offer, Offer) and offer.info["rank"] == 2 and offer.info["local_world_size"] == 2
-    assert offer.info["port"] == 4000 and offer.info["version"] == 1
+    assert isinstance(offer, Offer) and offer.info.rank == 2 and offer.info.local_world_size == 2
+    assert offer.info.port == 4000 and offer.info.version == 1
     s.handle(Done("b", 1, True, 0.5, ""))
     st = s.status()
     assert st["generators"]["b"]["version"] == 1 and st["generators"]["b"]["lag"] == 0
     assert st["generators"]["a"]["lag"] == 2  # current 1 - version -1
     # a member that died mid-round is left out of the next round until it polls again
-    s.handle(RoundResult(go.round_id, 1, ["b"], [], ["a"], {"bytes": 16}))
-    assert s.status()["last_round"]["failed"] == ["a"]
+    s.handle(RoundResult(go.round_id, 1, ["b"], [], ["a"], RoundStats(bytes=16)))
+    assert s.status()["last_round"]["failed"] == ["a"] and s.status()["last_round"]["bytes"] == 16
     go2 = s.handle(_ready(2))
-    assert [m[0] for m in go2.members] == ["b"]
+    assert [m.worker_id for m in go2.members] == ["b"]
     # a generator silent for longer than stale_after_s is left out too
     clock.t += 61
     s.handle(Poll("b", 1))  # b is alive
     s.generators["c"] = s.generators["b"].__class__("c", "vllm", 1, -1, clock.t - 100)
-    assert [m[0] for m in s.handle(_ready(3)).members] == ["b"]
+    assert [m.worker_id for m in s.handle(_ready(3)).members] == ["b"]
     assert s.handle(_ready(2)).__class__.__name__ == "Error"  # versions never go back
     # a member that never joined (busy or gone) is left out until it is heard from again
     go4 = s.handle(_ready(4))
-    s.handle(RoundResult(go4.round_id, 4, [], ["b"], [], {}))
+    s.handle(RoundResult(go4.round_id, 4, [], ["b"], []))
     assert s.status()["generators"]["b"]["absent"] and s.handle(_ready(5)).members == []
     s.handle(Poll("b", 1))
-    assert [m[0] for m in s.handle(_ready(6)).members] == ["b"]
+    assert [m.worker_id for m in s.handle(_ready(6)).members] == ["b"]
 
 
 def test_service_catch_up_rounds():
@@ -233,23 +254,23 @@ def test_service_catch_up_rounds():
     assert isinstance(s.handle(Poll("late", -1)), Idle)
     assert isinstance(s.handle(PendingRequest("learner0", 5, 1.0)), Idle)  # nothing pending, but now serving
     offer = s.handle(Poll("late", -1))
-    assert isinstance(offer, Offer) and offer.info["catch_up"] and offer.info["version"] == 5
+    assert isinstance(offer, Offer) and offer.info.catch_up and offer.info.version == 5
     go = s.handle(PendingRequest("learner0", 5, 1.0))
-    assert isinstance(go, Go) and go.catch_up and go.members == [["late", 1, 1]]
+    assert isinstance(go, Go) and go.catch_up and go.members == [Member("late", 1, 1)]
     # the serving promise lapses: no more offers that nobody would serve
     clock.t += 5
     s.handle(Register("later", "vllm", 1, -1))
     assert isinstance(s.handle(Poll("later", -1)), Idle)
     # an unclaimed catch-up round is cancelled by the next publish, whose round includes its member
     s.handle(PendingRequest("learner0", 5, 1.0))
-    forming = s.handle(Poll("later", -1)).info["round_id"]
+    forming = s.handle(Poll("later", -1)).info.round_id
     go6 = s.handle(_ready(6))
-    assert go6.cancelled == [forming] and "later" in [m[0] for m in go6.members]
+    assert go6.cancelled == [forming] and "later" in [m.worker_id for m in go6.members]
     # disk: the service answers catch-ups by itself, from the latest folder
     s.handle(_ready(7, backend="disk", host="", port=0, path="/shared/v7", can_catch_up=False))
     s.handle(Register("disk_reader", "transformers", 1, -1))
     info = s.handle(Poll("disk_reader", -1)).info
-    assert info["backend"] == "disk" and info["path"] == "/shared/v7" and info["catch_up"]
+    assert info.backend == "disk" and info.path == "/shared/v7" and info.catch_up
 
 
 # ---------------------------------------------------------------------------------------------
@@ -271,7 +292,7 @@ def test_malformed_control_messages_get_errors_and_service_keeps_serving(service
     sock.setsockopt(zmq.LINGER, 0)
     sock.connect(f"tcp://127.0.0.1:{port}")
 
-    def ask(frames):
+    def send_raw(frames):
         sock.send_multipart(frames)
         assert sock.poll(5000), "the service stopped answering"
         empty, body = sock.recv_multipart()
@@ -287,14 +308,14 @@ def test_malformed_control_messages_get_errors_and_service_keeps_serving(service
         ([b"", b"x", b"y"], "message"),  # wrong frame count
     ]
     for frames, field in bad:
-        reply = ask(frames)
+        reply = send_raw(frames)
         assert type(reply).__name__ == "Error" and reply.field == field, (field, reply)
     # still serving, and counted the errors
     ws = GeneratorSyncClient("127.0.0.1", port, "g0")
     assert ws.register("vllm") == {"current_version": -1, "mode": "finish"}
     assert ws.status()["errors"] == len(bad)
     with pytest.raises(WeightSyncError) as e:
-        ws.channel.request(Register("", "vllm", 1, -1))
+        ask(ws.channel, Register("", "vllm", 1, -1))
     assert e.value.field == "register.worker_id"
     sock.close(0)
 
@@ -326,8 +347,8 @@ def test_round_between_threads_multi_bucket_and_late_joiner(service):
                 time.sleep(0.02)
                 continue
             tensors, stats = receive_named_tensors(info)
-            ws.done(info["version"])
-            got.append((info["version"], info["catch_up"], all(torch.equal(a, b) for (_, a), (_, b)
+            ws.done(info.version)
+            got.append((info.version, info.catch_up, all(torch.equal(a, b) for (_, a), (_, b)
                                                                  in zip(tensors, named)), stats["buckets"]))
         results[wid] = got
         ws.close()
@@ -390,7 +411,7 @@ def test_receiver_left_out_raises_round_missed(service):
     # serve_pending (what the learner calls each step without the thread) makes the offer real
     sender.serve_pending()  # says "serving"; nothing pending yet
     info = newbie.poll()
-    assert info is not None and info["catch_up"]
+    assert info is not None and info.catch_up
     got = {}
     t = threading.Thread(target=lambda: got.update(r=receive_named_tensors(info)))
     t.start()
@@ -399,3 +420,16 @@ def test_receiver_left_out_raises_round_missed(service):
     assert stats["ok"] == ["newbie"] and stats["catch_up"]
     assert torch.equal(got["r"][0][0][1], torch.ones(8))
     sender.close()
+
+
+def test_huge_shapes_are_refused_before_any_arithmetic():
+    # a shape of 65,535 dims of 2**64-1 once cost seconds of big-integer products
+    for shape in ([2**64 - 1] * 65535 + [0], [1] * 131072, [2**40, 0], [-1], ["8"]):
+        payload = msgpack.packb({"v": 1, "type": "ready", "sender_id": "l", "version": 1, "backend": "gloo",
+                                 "manifest": {"buckets": [4096], "tensors": [["w", "float32", shape, 0, 0]]},
+                                 "host": "127.0.0.1", "port": 1})
+        t0 = time.monotonic()
+        with pytest.raises(ProtocolError) as e:
+            decode(payload)
+        assert time.monotonic() - t0 < 0.5
+        assert e.value.field == "ready.manifest.tensors[0].shape"

@@ -11,15 +11,21 @@ Layout rules:
 - a tensor larger than `bucket_bytes` gets a bucket of its own, exactly its size (views stay
   zero-copy; the price is one oversized buffer, e.g. a large embedding).
 
-Manifest (plain msgpack-able data; checked by `validate_manifest`):
-    {"buckets": [nbytes, ...],
-     "tensors": [[name, dtype, [shape...], bucket_index, byte_offset], ...]}
+The manifest is a `Manifest` (a msgspec Struct, so it travels inside the control messages as
+they are): bucket sizes, and per tensor `[name, dtype, shape, bucket, offset]` on the wire. Its
+type bounds every count and size, so a peer's manifest is checked field by field in constant time
+before any product is taken; `Manifest.__post_init__` then checks that the layout is consistent.
 """
+
 
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Any, Iterable, Sequence
+from typing import TYPE_CHECKING, Annotated, Iterable, Literal, Sequence
+
+import msgspec
+
+from common.wire import ProtocolError, short
 
 if TYPE_CHECKING:
     import torch
@@ -33,6 +39,71 @@ ITEMSIZE = {
     "int64": 8, "int32": 4, "int16": 2, "int8": 1, "uint8": 1, "bool": 1,
     "float8_e4m3fn": 1, "float8_e5m2": 1,
 }
+DType = Literal["float32", "float16", "bfloat16", "float64", "int64", "int32", "int16", "int8", "uint8", "bool",
+                "float8_e4m3fn", "float8_e5m2"]
+
+# Bounds a peer's manifest meets before anything is multiplied: a shape of 65,535 dims of 2**64-1
+# would otherwise cost seconds of big-integer products.
+MAX_TENSORS = 1 << 16
+MAX_NDIM = 16
+MAX_DIM = 1 << 40  # one dimension's size, exclusive
+MAX_BUCKET_BYTES = 1 << 40
+MAX_MODEL_BYTES = 1 << 42  # all buckets together (4 TiB)
+MAX_NAME = 1 << 12
+
+
+class TensorSpec(msgspec.Struct, array_like=True):
+    """Where one tensor lives: `[name, dtype, shape, bucket, offset]` on the wire."""
+
+    name: Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_NAME)]
+    dtype: DType
+    shape: Annotated[list[Annotated[int, msgspec.Meta(ge=0, lt=MAX_DIM)]], msgspec.Meta(max_length=MAX_NDIM)]
+    bucket: Annotated[int, msgspec.Meta(ge=0)]
+    offset: Annotated[int, msgspec.Meta(ge=0)]  # bytes into the bucket
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * ITEMSIZE[self.dtype]
+
+
+TENSOR_FIELDS = TensorSpec.__struct_fields__  # names of the positions on the wire, for error messages
+
+
+class Manifest(msgspec.Struct):
+    """The bucket layout of one version: `buckets[i]` bytes each, and where every tensor lives."""
+
+    buckets: Annotated[list[Annotated[int, msgspec.Meta(ge=0, le=MAX_BUCKET_BYTES)]],
+                       msgspec.Meta(max_length=MAX_TENSORS)]
+    tensors: Annotated[list[TensorSpec], msgspec.Meta(max_length=MAX_TENSORS)]
+
+    def __post_init__(self):
+        """The layout is consistent: known dtypes, unique names, every tensor inside its bucket.
+        (Raises `ProtocolError` naming `manifest.<part>`.) The type has bounded every number."""
+        total = sum(self.buckets)
+        if total > MAX_MODEL_BYTES:
+            raise ProtocolError("manifest.buckets", f"{total} bytes in all > limit {MAX_MODEL_BYTES}")
+        names = set()
+        for i, t in enumerate(self.tensors):
+            w = f"manifest.tensors[{i}]"
+            if t.name in names:
+                raise ProtocolError(f"{w}.name", f"duplicate tensor {short(t.name)}")
+            names.add(t.name)
+            if t.dtype not in ITEMSIZE:  # (the type says so on the wire; this covers local construction)
+                raise ProtocolError(f"{w}.dtype", f"unknown dtype {short(t.dtype)}")
+            if not t.bucket < len(self.buckets):
+                raise ProtocolError(f"{w}.bucket", f"{t.bucket} not in [0, {len(self.buckets)})")
+            if t.offset % ITEMSIZE[t.dtype]:
+                raise ProtocolError(f"{w}.offset", f"offset {t.offset} is not aligned for {t.dtype}")
+            if t.offset + t.nbytes > self.buckets[t.bucket]:
+                raise ProtocolError(w, f"{short(t.name)} ends past bucket {t.bucket} ({self.buckets[t.bucket]} bytes)")
+
+    @property
+    def total_bytes(self) -> int:
+        return int(sum(self.buckets))
+
+    @property
+    def names(self) -> list[str]:
+        return [t.name for t in self.tensors]
 
 
 def torch_dtype(name: str):
@@ -49,46 +120,33 @@ def dtype_name(dtype) -> str:
     return name
 
 
-class ManifestError(ValueError):
-    """A manifest that does not describe a valid bucket layout; `field` names the bad part."""
-
-    def __init__(self, field: str, problem: str):
-        super().__init__(f"{field}: {problem}")
-        self.field = field
-        self.problem = problem
-
-
 def _aligned(n: int) -> int:
     return (n + ALIGN - 1) // ALIGN * ALIGN
 
 
-def _nbytes(dtype: str, shape: Sequence[int]) -> int:
-    return math.prod(shape) * ITEMSIZE[dtype]
-
-
-def plan(specs: Sequence[tuple[str, str, Sequence[int]]], bucket_bytes: int) -> dict:
+def plan(specs: Sequence[tuple[str, str, Sequence[int]]], bucket_bytes: int) -> Manifest:
     """The manifest for tensors `(name, dtype_name, shape)` packed into buckets of `bucket_bytes`."""
     if bucket_bytes < ALIGN:
         raise ValueError(f"bucket_bytes={bucket_bytes} must be >= {ALIGN}")
     buckets: list[int] = []  # bytes used in each bucket
-    tensors: list[list] = []
+    tensors: list[TensorSpec] = []
     open_idx = None  # the bucket small tensors are being added to
     for name, dtype, shape in specs:
         if dtype not in ITEMSIZE:
             raise ValueError(f"tensor {name!r}: dtype {dtype!r} cannot be sent (known: {sorted(ITEMSIZE)})")
-        n = _nbytes(dtype, shape)
+        n = math.prod(shape) * ITEMSIZE[dtype]
         if n > bucket_bytes:
             # oversized: a bucket of its own, exactly its size; the open bucket stays open
             buckets.append(n)
-            tensors.append([name, dtype, list(shape), len(buckets) - 1, 0])
+            tensors.append(TensorSpec(name, dtype, list(shape), len(buckets) - 1, 0))
             continue
         off = _aligned(buckets[open_idx]) if open_idx is not None else 0
         if open_idx is None or off + n > bucket_bytes:
             buckets.append(0)
             open_idx, off = len(buckets) - 1, 0
-        tensors.append([name, dtype, list(shape), open_idx, off])
+        tensors.append(TensorSpec(name, dtype, list(shape), open_idx, off))
         buckets[open_idx] = off + n
-    return {"buckets": buckets, "tensors": tensors}
+    return Manifest(buckets, tensors)
 
 
 def specs_of(named_tensors: Iterable[tuple[str, "torch.Tensor"]]) -> tuple[list, list]:
@@ -107,7 +165,7 @@ def specs_of(named_tensors: Iterable[tuple[str, "torch.Tensor"]]) -> tuple[list,
     return specs, tensors
 
 
-def pack(manifest: dict, tensors: Sequence["torch.Tensor"], out: Sequence["torch.Tensor"] | None = None) -> list:
+def pack(manifest: Manifest, tensors: Sequence["torch.Tensor"], out: Sequence["torch.Tensor"] | None = None) -> list:
     """Flat uint8 CPU buckets holding `tensors` (in manifest order) at their planned offsets.
 
     `out`: buckets of a previous round to overwrite when their sizes match (fresh host memory
@@ -115,70 +173,27 @@ def pack(manifest: dict, tensors: Sequence["torch.Tensor"], out: Sequence["torch
     """
     import torch
 
-    if out is not None and [b.numel() for b in out] == list(manifest["buckets"]):
+    if out is not None and [b.numel() for b in out] == list(manifest.buckets):
         buckets = list(out)
     else:
-        buckets = [torch.empty(n, dtype=torch.uint8) for n in manifest["buckets"]]
-    for (name, dtype, shape, b, off), t in zip(manifest["tensors"], tensors, strict=True):
-        n = _nbytes(dtype, shape)
+        buckets = [torch.empty(n, dtype=torch.uint8) for n in manifest.buckets]
+    for spec, t in zip(manifest.tensors, tensors, strict=True):
         src = t.detach()
         if src.device.type != "cpu":
             src = src.cpu()
         # (numel,) bytes of the tensor; contiguous() copies only when the source is strided
-        buckets[b][off:off + n].copy_(src.contiguous().view(-1).view(torch.uint8))
+        buckets[spec.bucket][spec.offset:spec.offset + spec.nbytes].copy_(src.contiguous().view(-1).view(torch.uint8))
     return buckets
 
 
-def unpack(manifest: dict, buckets: Sequence["torch.Tensor"]) -> list[tuple[str, "torch.Tensor"]]:
+def unpack(manifest: Manifest, buckets: Sequence["torch.Tensor"]) -> list[tuple[str, "torch.Tensor"]]:
     """`(name, tensor)` views into `buckets` (any device), in manifest order."""
     out = []
-    for name, dtype, shape, b, off in manifest["tensors"]:
-        n = _nbytes(dtype, shape)
-        view = buckets[b][off:off + n].view(torch_dtype(dtype)).view(shape)
-        out.append((name, view))
+    for t in manifest.tensors:
+        view = buckets[t.bucket][t.offset:t.offset + t.nbytes].view(torch_dtype(t.dtype)).view(t.shape)
+        out.append((t.name, view))
     return out
 
 
-def total_bytes(manifest: dict) -> int:
-    return int(sum(manifest["buckets"]))
-
-
-def validate_manifest(m: Any, where: str = "manifest", max_tensors: int = 1 << 16,
-                      max_bucket_bytes: int = 1 << 40) -> dict:
-    """Check that `m` is a well-formed manifest whose tensors fit their buckets; return it."""
-    if not isinstance(m, dict):
-        raise ManifestError(where, f"expected map, got {type(m).__name__}")
-    buckets = m.get("buckets")
-    tensors = m.get("tensors")
-    if not isinstance(buckets, list):
-        raise ManifestError(f"{where}.buckets", "expected list of byte counts")
-    if not isinstance(tensors, list):
-        raise ManifestError(f"{where}.tensors", "expected list")
-    if len(tensors) > max_tensors:
-        raise ManifestError(f"{where}.tensors", f"{len(tensors)} entries > limit {max_tensors}")
-    for i, n in enumerate(buckets):
-        if isinstance(n, bool) or not isinstance(n, int) or not 0 <= n <= max_bucket_bytes:
-            raise ManifestError(f"{where}.buckets[{i}]", f"bad byte count {n!r}")
-    names = set()
-    for i, t in enumerate(tensors):
-        w = f"{where}.tensors[{i}]"
-        if not (isinstance(t, list) and len(t) == 5):
-            raise ManifestError(w, "expected [name, dtype, shape, bucket, offset]")
-        name, dtype, shape, b, off = t
-        if not isinstance(name, str) or not name:
-            raise ManifestError(f"{w}.name", f"expected non-empty str, got {name!r}")
-        if name in names:
-            raise ManifestError(f"{w}.name", f"duplicate tensor {name!r}")
-        names.add(name)
-        if dtype not in ITEMSIZE:
-            raise ManifestError(f"{w}.dtype", f"unknown dtype {dtype!r}")
-        if not isinstance(shape, list) or not all(isinstance(s, int) and not isinstance(s, bool) and s >= 0
-                                                  for s in shape):
-            raise ManifestError(f"{w}.shape", f"expected list of sizes, got {shape!r}")
-        if isinstance(b, bool) or not isinstance(b, int) or not 0 <= b < len(buckets):
-            raise ManifestError(f"{w}.bucket", f"{b!r} not in [0, {len(buckets)})")
-        if isinstance(off, bool) or not isinstance(off, int) or off < 0 or off % ITEMSIZE[dtype]:
-            raise ManifestError(f"{w}.offset", f"bad offset {off!r} for {dtype}")
-        if off + _nbytes(dtype, shape) > buckets[b]:
-            raise ManifestError(f"{w}", f"{name!r} ends past bucket {b} ({buckets[b]} bytes)")
-    return m
+def total_bytes(manifest: Manifest) -> int:
+    return manifest.total_bytes

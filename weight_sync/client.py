@@ -1,19 +1,19 @@
-"""The generator's side of the control plane, and the request channel the sender shares.
+"""The generator's side of the control plane, and the request helper the sender shares.
 
 A generator's loop (finish mode):
 
     ws = GeneratorSyncClient(host, port, worker_id)
     ws.register("vllm")
     info = ws.wait_current(timeout_s=120)        # a newcomer first catches up with the learner
-    if info: apply(info); ws.done(info["version"])
+    if info: engine.receive_weights(info); ws.done(info.version)
     while True:
         info = ws.poll()                          # non-blocking: a round to join now, or None
-        if info: apply(info); ws.done(info["version"])
+        if info: engine.receive_weights(info); ws.done(info.version)
         ... lease prompts, generate a batch, push rollouts ...
 
-where `apply(info)` is the engine's `receive_weights(info)` (vLLM: `llm.collective_rpc(
-"receive_weights", args=(info,))`, see `actors/vllm_worker.py`; transformers:
-`weight_sync.receiver.receive_into_model(model, info)`). If it raises (`RoundMissed`: the round
+where `info` is a `RoundInfo` and `engine.receive_weights(info)` loads it and stamps the engine
+with `info.version` (vLLM: through `collective_rpc` into `actors.vllm_worker.WorkerExtension`;
+transformers: `weight_sync.receiver.receive_into_model`). If it raises (`RoundMissed`: the round
 went on without this generator; its weights are untouched), report `done(version, ok=False)` or
 nothing: the next poll brings a catch-up round.
 
@@ -25,19 +25,22 @@ from __future__ import annotations
 import logging
 import time
 
+import msgspec
 import zmq
 
+from common.channel import Channel
 from weight_sync.config import endpoint
 from weight_sync.messages import (
     Ack,
     Done,
     Error,
     Idle,
+    Msg,
     Offer,
     Poll,
-    ProtocolError,
     Register,
     Registered,
+    RoundInfo,
     Status,
     StatusRequest,
     Unregister,
@@ -56,44 +59,18 @@ class WeightSyncError(RuntimeError):
         self.field = field
 
 
-class ControlChannel:
-    """Blocking request/reply over a DEALER socket; a timed-out request reopens the socket (so a
-    late reply is never taken for the next one) and raises `TimeoutError`."""
+def channel(host: str, port: int, timeout_s: float = 10.0, context: zmq.Context | None = None) -> Channel:
+    """A request/reply channel to the weight-sync service at `host:port`."""
+    return Channel(endpoint(host, port), "weight-sync service", timeout_s, context)
 
-    def __init__(self, host: str, port: int, timeout_s: float = 10.0, context: zmq.Context | None = None):
-        self.endpoint = endpoint(host, port)
-        self.timeout_s = timeout_s
-        self._ctx = context or zmq.Context.instance()
-        self._sock: zmq.Socket | None = None
 
-    def _socket(self) -> zmq.Socket:
-        if self._sock is None:
-            s = self._ctx.socket(zmq.DEALER)
-            s.setsockopt(zmq.LINGER, 0)
-            s.connect(self.endpoint)
-            self._sock = s
-        return self._sock
-
-    def request(self, msg, timeout_s: float | None = None):
-        sock = self._socket()
-        sock.send_multipart([b"", encode(msg)])
-        timeout_ms = max(1, int(1000 * (self.timeout_s if timeout_s is None else timeout_s)))
-        if not sock.poll(timeout_ms, zmq.POLLIN):
-            self.close()
-            raise TimeoutError(f"weight-sync service at {self.endpoint} did not answer {type(msg).__name__} "
-                               f"within {timeout_ms / 1000:.1f}s")
-        frames = sock.recv_multipart()
-        if len(frames) != 2 or frames[0] != b"":
-            raise ProtocolError("message", f"expected [empty, payload] frames, got {len(frames)} frames")
-        reply = decode(frames[1])
-        if isinstance(reply, Error):
-            raise WeightSyncError(f"service refused {type(msg).__name__}: {reply.message}", reply.field)
-        return reply
-
-    def close(self) -> None:
-        if self._sock is not None:
-            self._sock.close(0)
-            self._sock = None
+def ask(ch: Channel, msg: Msg, timeout_s: float | None = None) -> Msg:
+    """Send `msg` and return the service's reply; an `error` reply raises `WeightSyncError`, a
+    silent service `TimeoutError`, a malformed reply `ProtocolError`."""
+    reply = decode(ch.request([encode(msg)], type(msg).__name__, timeout_s))
+    if isinstance(reply, Error):
+        raise WeightSyncError(f"service refused {type(msg).__name__}: {reply.message}", reply.field)
+    return reply
 
 
 class GeneratorSyncClient:
@@ -102,41 +79,43 @@ class GeneratorSyncClient:
     def __init__(self, host: str = "127.0.0.1", port: int = 5600, worker_id: str = "generator0", *,
                  timeout_s: float = 10.0, context: zmq.Context | None = None):
         self.worker_id = worker_id
-        self.channel = ControlChannel(host, port, timeout_s, context)
+        self.channel = channel(host, port, timeout_s, context)
         self.version = -1  # the version this generator's weights are at
         self.current_version = -1  # the learner's latest, as last heard
         self.mode = "finish"
         self.retry_after_s = 0.5
         self._registration: Register | None = None
 
+    def _ask(self, msg: Msg) -> Msg:
+        return ask(self.channel, msg)
+
     def register(self, engine_kind: str, world_size: int = 1, version: int = -1) -> dict:
         """Announce this generator; `world_size`: its engine's workers (tensor-parallel ranks)."""
         self.version = version
         self._registration = Register(self.worker_id, engine_kind, world_size, version)
-        reply = self.channel.request(self._registration)
+        reply = self._ask(self._registration)
         assert isinstance(reply, Registered)
         self.current_version, self.mode = reply.current_version, reply.mode
         return {"current_version": reply.current_version, "mode": reply.mode}
 
-    def poll(self) -> dict | None:
-        """A round this generator should join now (its round_info), or None. Does not wait."""
+    def poll(self) -> RoundInfo | None:
+        """A round this generator should join now, or None. Does not wait."""
         try:
-            reply = self.channel.request(Poll(self.worker_id, self.version))
+            reply = self._ask(Poll(self.worker_id, self.version))
         except WeightSyncError as e:
             if e.field != "poll.worker_id" or self._registration is None:
                 raise
             # the service restarted and forgot us: register again, then ask once more
-            self.channel.request(Register(self._registration.worker_id, self._registration.engine_kind,
-                                          self._registration.world_size, self.version))
-            reply = self.channel.request(Poll(self.worker_id, self.version))
+            self._ask(msgspec.structs.replace(self._registration, version=self.version))
+            reply = self._ask(Poll(self.worker_id, self.version))
         if isinstance(reply, Offer):
-            self.current_version = max(self.current_version, reply.info["version"])
+            self.current_version = max(self.current_version, reply.info.version)
             return reply.info
         assert isinstance(reply, Idle)
         self.current_version, self.retry_after_s = reply.current_version, reply.retry_after_s
         return None
 
-    def wait_current(self, timeout_s: float) -> dict | None:
+    def wait_current(self, timeout_s: float) -> RoundInfo | None:
         """The round that brings this generator to the learner's current version (blocking).
 
         None when there is nothing to catch up with (nothing published yet, or already current),
@@ -162,16 +141,16 @@ class GeneratorSyncClient:
         """Report that this generator's weights are now at `version` (or that it gave up)."""
         if ok:
             self.version = max(self.version, version)
-        reply = self.channel.request(Done(self.worker_id, version, ok, float(load_s), error))
+        reply = self._ask(Done(self.worker_id, version, ok, float(load_s), error[:4000]))
         assert isinstance(reply, Ack)
 
     def status(self) -> dict:
-        reply = self.channel.request(StatusRequest())
+        reply = self._ask(StatusRequest())
         assert isinstance(reply, Status)
         return reply.values
 
     def unregister(self) -> None:
-        self.channel.request(Unregister(self.worker_id))
+        self._ask(Unregister(self.worker_id))
 
     def close(self) -> None:
         self.channel.close()

@@ -1,13 +1,13 @@
 """The sending end, on learner rank 0: pack the weights into buckets and broadcast each round.
 
-    sender = WeightSender(host, port, timeout_s=60)      # the service's address
+    sender = WeightSender.from_config(cfg)                 # cfg: the `weight_sync:` section
     stats = sender.publish(step, model_named_full_tensors)  # HF names, full CPU tensors
 
 `publish` never blocks longer than `timeout_s`: it waits `join_timeout_s` at most for the round's
 members to show up (a generator joins at its next poll), broadcasts, and drops any member that has
-not received everything by the deadline (see `weight_sync/receiver.py` for the round's steps and
-how a member dying mid-broadcast is survived). It never waits for a generator to finish a batch:
-one still busy after `join_timeout_s` is caught up later, as below.
+not received everything by the deadline (`weight_sync/round.py` has the round's keys and how a
+member dying mid-broadcast is survived). It never waits for a generator to finish a batch: one
+still busy after `join_timeout_s` is caught up later, as below.
 
 Catch-up rounds. A generator that is behind the current version (a newcomer, or one that missed
 a round because it was busy or late) is offered a catch-up round at its next poll. The sender
@@ -26,6 +26,7 @@ anyone, and the service serves catch-ups from the latest folder by itself.
 
 from __future__ import annotations
 
+import copy
 import json
 import logging
 import os
@@ -33,13 +34,16 @@ import shutil
 import socket
 import threading
 import time
-from datetime import timedelta
 from typing import Iterable
 
+import msgspec
+
+from common.channel import Channel
 from weight_sync import buckets as bk
-from weight_sync.client import ControlChannel
-from weight_sync.messages import Go, Idle, PendingRequest, Ready, RoundResult
-from weight_sync.receiver import dispose, make_group, open_store, pack_roster, round_prefix
+from weight_sync.client import ask, channel
+from weight_sync.config import WeightSyncConfig
+from weight_sync.messages import Go, Idle, PendingRequest, Ready, RoundResult, RoundStats
+from weight_sync.round import RoundStore, dispose, store_server
 
 log = logging.getLogger("conveyor.weight_sync.sender")
 
@@ -54,78 +58,67 @@ def _local_address(host: str, port: int) -> str:
         return "127.0.0.1"
 
 
-def _store_server(host: str, timeout_s: float):
-    """The rendezvous store's server, listening on `host` only, on a free port.
+_store_server = store_server  # (its name here before it moved to weight_sync.round)
 
-    A TCPStore master binds every interface (`::`) whatever host it is given; handed a socket
-    that listens already (`master_listen_fd`, which it then owns), it serves on that one."""
-    import torch.distributed as dist
 
-    family = socket.getaddrinfo(host, 0, type=socket.SOCK_STREAM)[0][0]
-    with socket.socket(family, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        s.listen(1024)  # every member rank connects at once at the start of a round
-        port = s.getsockname()[1]
-        fd = s.detach()
-    try:
-        return dist.TCPStore(host, port, None, True, timeout=timedelta(seconds=max(timeout_s, 0.1)),
-                             wait_for_workers=False, master_listen_fd=fd)
-    except Exception:
-        os.close(fd)
-        raise
+def _with(cfg, **fields):
+    """A copy of the settings `cfg` with `fields` changed (a dataclass or a pydantic model)."""
+    unknown = sorted(k for k in fields if not hasattr(cfg, k))
+    if unknown:
+        raise TypeError(f"unknown weight-sync setting(s) {unknown}: see weight_sync.config.WeightSyncConfig")
+    cfg = copy.copy(cfg)
+    for k, v in fields.items():
+        setattr(cfg, k, v)
+    return cfg
 
 
 class WeightSender:
     """Publishes versions from learner rank 0 (see the module docstring)."""
 
-    def __init__(self, host: str = "127.0.0.1", port: int = 5600, timeout_s: float = 120.0, *,
-                 bucket_mb: float = 256.0, backend: str = "auto", join_timeout_s: float = 2.0,
-                 keep_latest: bool = True, serve_in_background: bool = True, serve_interval_s: float = 0.25,
-                 advertise_host: str = "", disk_dir: str = "", disk_keep: int = 2, max_attempts: int = 3,
-                 sender_id: str = "learner0", context=None):
+    def __init__(self, cfg: WeightSyncConfig | str = "127.0.0.1", port: int | None = None,
+                 timeout_s: float | None = None, *, sender_id: str = "learner0", context=None, **fields):
+        """`cfg`: the `weight_sync:` section (its sender fields: backend, bucket_mb, join_timeout_s,
+        keep_latest, serve_in_background, ...), with `fields` changed; or the service's host,
+        then `port`, `timeout_s` and `fields` change the section's defaults."""
+        if isinstance(cfg, str):
+            cfg = WeightSyncConfig(host=cfg)
+            fields.update({k: v for k, v in (("port", port), ("timeout_s", timeout_s)) if v is not None})
+        cfg = _with(cfg, **fields)
+        backend = cfg.backend
         if backend == "auto":
             import torch
 
             backend = "nccl" if torch.cuda.is_available() else "gloo"
         if backend not in ("gloo", "nccl", "disk"):
-            raise ValueError(f"backend={backend!r} must be auto, gloo, nccl or disk")
-        if backend == "disk" and not disk_dir:
-            raise ValueError("backend='disk' needs disk_dir")
-        self.host, self.port = host, port
-        self.timeout_s = float(timeout_s)
-        self.join_timeout_s = min(float(join_timeout_s), self.timeout_s)
-        self.bucket_bytes = int(bucket_mb * (1 << 20))
+            raise ValueError(f"weight_sync.backend={backend!r} must be auto, gloo, nccl or disk")
+        if backend == "disk" and not cfg.disk_dir:
+            raise ValueError("weight_sync.backend='disk' needs weight_sync.disk_dir")
+        self.cfg = cfg
         self.backend = backend
-        self.keep_latest = keep_latest
-        self.serve_interval_s = serve_interval_s
-        self.advertise_host = advertise_host or _local_address(host, port)
-        self.disk_dir = disk_dir
-        self.disk_keep = disk_keep
-        self.max_attempts = max_attempts
+        self.timeout_s = float(cfg.timeout_s)
+        self.join_timeout_s = min(float(cfg.join_timeout_s), self.timeout_s)
+        self.bucket_bytes = int(cfg.bucket_mb * (1 << 20))
+        self.keep_latest = cfg.keep_latest
+        self.advertise_host = cfg.advertise_host or _local_address(cfg.host, cfg.port)
         self.sender_id = sender_id
         self._ctx = context
         self._tls = threading.local()  # one control socket per thread
         self._lock = threading.Lock()  # one round at a time
         self._store = None  # the rendezvous store's server, opened on the first group round
-        self._latest: tuple[int, dict, list] | None = None  # (version, manifest, buckets)
+        self._latest: tuple[int, bk.Manifest, list] | None = None  # (version, manifest, buckets)
         self._last_pending_call: float | None = None
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.last_stats: dict = {}
-        if serve_in_background and backend != "disk" and keep_latest:
+        if cfg.serve_in_background and backend != "disk" and cfg.keep_latest:
             self._thread = threading.Thread(target=self._serve_loop, name="weight-sync-catch-up", daemon=True)
             self._thread.start()
 
     @classmethod
-    def from_config(cls, cfg, **overrides) -> "WeightSender":
-        """From a `weight_sync.config.WeightSyncConfig`."""
-        kw = dict(timeout_s=cfg.timeout_s, bucket_mb=cfg.bucket_mb, backend=cfg.backend,
-                  join_timeout_s=cfg.join_timeout_s, keep_latest=cfg.keep_latest,
-                  serve_in_background=cfg.serve_in_background, serve_interval_s=cfg.serve_interval_s,
-                  advertise_host=cfg.advertise_host, disk_dir=cfg.disk_dir, disk_keep=cfg.disk_keep,
-                  max_attempts=cfg.max_attempts)
-        kw.update(overrides)
-        return cls(cfg.host, cfg.port, **kw)
+    def from_config(cls, cfg: WeightSyncConfig, **overrides) -> "WeightSender":
+        """From the `weight_sync:` section; `overrides`: fields of it to change (e.g. host, port,
+        timeout_s), or `sender_id` / `context`."""
+        return cls(cfg, **overrides)
 
     # ---- the learner's calls ---------------------------------------------------------------
 
@@ -140,8 +133,8 @@ class WeightSender:
         deadline = t0 + self.timeout_s
         specs, tensors = bk.specs_of(named_tensors)  # the learner's gather happens as this iterates
         manifest = bk.plan(specs, self.bucket_bytes)
-        stats = {"version": version, "backend": self.backend, "bytes": bk.total_bytes(manifest),
-                 "buckets": len(manifest["buckets"]), "tensors": len(specs), "gather_s": time.monotonic() - t0,
+        stats = {"version": version, "backend": self.backend, "bytes": manifest.total_bytes,
+                 "buckets": len(manifest.buckets), "tensors": len(specs), "gather_s": time.monotonic() - t0,
                  "members": [], "ok": [], "missed": [], "failed": [], "error": ""}
         if not self._lock.acquire(timeout=max(0.0, deadline - time.monotonic())):
             stats["error"] = "a catch-up round held the sender past the publish deadline"
@@ -161,7 +154,7 @@ class WeightSender:
             ready = Ready(self.sender_id, version, self.backend, manifest, self.advertise_host, store.port, "",
                           self.keep_latest, self.timeout_s, self.join_timeout_s)
             try:
-                go = self._channel().request(ready, timeout_s=max(0.001, deadline - time.monotonic()))
+                go = ask(self._channel(), ready, timeout_s=max(0.001, deadline - time.monotonic()))
             except Exception as e:  # the service is down or refused: the learner goes on
                 stats["error"] = f"service: {e}"
                 return self._finish(stats, t0)
@@ -182,7 +175,7 @@ class WeightSender:
         """
         now = time.monotonic()
         if self._thread is not None and threading.current_thread() is self._thread:
-            next_within = 2 * self.serve_interval_s + 0.5
+            next_within = 2 * self.cfg.serve_interval_s + 0.5
         else:  # called by the learner's loop: expect the next call after about one more step
             prev, self._last_pending_call = self._last_pending_call, now
             next_within = 2 * (now - prev) + 1.0 if prev is not None else 5.0
@@ -194,8 +187,8 @@ class WeightSender:
                 return None
             version, manifest, buckets = latest
             try:  # a short wait: this runs every step (or every tick), and must not stall on a dead service
-                reply = self._channel().request(PendingRequest(self.sender_id, version, next_within),
-                                                timeout_s=min(self.timeout_s, 2.0))
+                reply = ask(self._channel(), PendingRequest(self.sender_id, version, next_within),
+                            timeout_s=min(self.timeout_s, 2.0))
             except Exception as e:
                 log.warning("asking the weight-sync service for catch-up rounds: %s", e)
                 return None
@@ -204,13 +197,14 @@ class WeightSender:
             assert isinstance(reply, Go)
             t0 = time.monotonic()
             deadline = t0 + self.timeout_s
-            stats = {"version": version, "backend": self.backend, "bytes": bk.total_bytes(manifest),
-                     "buckets": len(buckets), "tensors": len(manifest["tensors"]), "gather_s": 0.0,
+            stats = {"version": version, "backend": self.backend, "bytes": manifest.total_bytes,
+                     "buckets": len(buckets), "tensors": len(manifest.tensors), "gather_s": 0.0,
                      "catch_up": True, "error": ""}
             if reply.version != version:  # a publish overtook it: nobody may load a mislabelled version
                 self._abort(reply.round_id)
-                stats.update(round_id=reply.round_id, members=[m[0] for m in reply.members], ok=[], failed=[],
-                             missed=[m[0] for m in reply.members], error=f"round asked for v{reply.version}")
+                workers = [m.worker_id for m in reply.members]
+                stats.update(round_id=reply.round_id, members=workers, ok=[], failed=[], missed=workers,
+                             error=f"round asked for v{reply.version}")
             else:
                 stats.update(self._run_round(reply, manifest, buckets, self._round_deadline(deadline)))
             self._report(reply, stats, deadline)
@@ -236,19 +230,19 @@ class WeightSender:
 
     # ---- internals -------------------------------------------------------------------------
 
-    def _channel(self) -> ControlChannel:
+    def _channel(self) -> Channel:
         ch = getattr(self._tls, "channel", None)
         if ch is None:
-            ch = self._tls.channel = ControlChannel(self.host, self.port, self.timeout_s, self._ctx)
+            ch = self._tls.channel = channel(self.cfg.host, self.cfg.port, self.timeout_s, self._ctx)
         return ch
 
     def _server(self):
         if self._store is None:
-            self._store = _store_server(self.advertise_host, self.timeout_s)
+            self._store = store_server(self.advertise_host, self.timeout_s)
         return self._store
 
-    def _client(self, timeout_s: float):
-        return open_store(self.advertise_host, self._server().port, timeout_s)
+    def _round_store(self, round_id: int, timeout_s: float) -> RoundStore:
+        return RoundStore(self.advertise_host, self._server().port, round_id, timeout_s)
 
     def _finish(self, stats: dict, t0: float) -> dict:
         stats["total_s"] = time.monotonic() - t0
@@ -259,45 +253,37 @@ class WeightSender:
 
     def _abort(self, round_id: int) -> None:
         """Release members waiting on a round that will not run."""
-        from torch.distributed import PrefixStore
-
-        PrefixStore(round_prefix(round_id), self._client(5.0)).set("a0/roster", pack_roster([], abort=True))
+        self._round_store(round_id, 5.0).set_roster(0, [], abort=True)
 
     def _round_deadline(self, deadline: float) -> float:
         """The data plane stops a little before `deadline`, so the round's report still fits."""
         return deadline - min(0.5, 0.1 * self.timeout_s)
 
     def _report(self, go: Go, stats: dict, deadline: float) -> None:
-        keep = ("bytes", "buckets", "tensors", "gather_s", "pack_s", "join_s", "broadcast_s", "setup_s",
-                "transfer_s", "confirm_s", "attempts", "catch_up")
+        kept = RoundStats(**{k: stats[k] for k in RoundStats.__struct_fields__ if k in stats})
         result = RoundResult(go.round_id, go.version, list(stats.get("ok", [])), list(stats.get("missed", [])),
-                             list(stats.get("failed", [])), {k: stats[k] for k in keep if k in stats})
+                             list(stats.get("failed", [])), kept)
         try:
-            self._channel().request(result, timeout_s=max(0.05, min(5.0, deadline - time.monotonic())))
+            ask(self._channel(), result, timeout_s=max(0.05, min(5.0, deadline - time.monotonic())))
         except Exception as e:
             stats["error"] = (stats.get("error") or "") + f" (round_result not delivered: {e})"
 
-    def _run_round(self, go: Go, manifest: dict, buckets: list, deadline: float) -> dict:
+    def _run_round(self, go: Go, manifest: bk.Manifest, buckets: list, deadline: float) -> dict:
         """Join, broadcast (with retries), collect; returns the round's part of the stats."""
-        from torch.distributed import PrefixStore
-
-        out = {"round_id": go.round_id, "members": [m[0] for m in go.members], "ok": [], "missed": [],
+        out = {"round_id": go.round_id, "members": [m.worker_id for m in go.members], "ok": [], "missed": [],
                "failed": [], "join_s": 0.0, "broadcast_s": 0.0, "attempts": 0,
                "setup_s": 0.0, "transfer_s": 0.0, "confirm_s": 0.0}
         if not go.members:
             return out
-        owner = {}  # group rank -> worker id (a multi-worker engine holds several ranks)
-        for worker, first, n in go.members:
-            for r in range(first, first + n):
-                owner[r] = worker
-        ps = PrefixStore(round_prefix(go.round_id), self._client(max(1.0, deadline - time.monotonic())))
+        owner = {r: m.worker_id for m in go.members for r in m.ranks}  # group rank -> worker id
+        rs = self._round_store(go.round_id, max(1.0, deadline - time.monotonic()))
 
         # 1. join: members arrive at their next poll; wait join_timeout_s at most
         t_join = time.monotonic()
         join_deadline = min(t_join + self.join_timeout_s, deadline)
         pending = set(owner)
         while pending and time.monotonic() < join_deadline:
-            pending -= {r for r in pending if ps.check([f"join/{r}"])}
+            pending -= {r for r in pending if rs.joined(r)}
             if pending:
                 time.sleep(0.005)
         absent_workers = {owner[r] for r in pending}
@@ -310,25 +296,25 @@ class WeightSender:
         attempt = 0
         t_bcast = time.monotonic()
         while todo:
-            ps.set(f"a{attempt}/roster", pack_roster(todo))
-            err, setup_s, transfer_s, pg = self._broadcast(go.round_id, attempt, todo, buckets, deadline)
+            rs.set_roster(attempt, todo)
+            err, setup_s, transfer_s, pg = self._broadcast(rs, attempt, todo, buckets, deadline)
             out["setup_s"] += setup_s
             out["transfer_s"] += transfer_s
             t_confirm = time.monotonic()
-            reports = self._collect(ps, attempt, todo, deadline,
+            reports = self._collect(rs, attempt, todo, deadline,
                                     grace_s=max(2.0, setup_s + transfer_s) if err else None)
             out["confirm_s"] += time.monotonic() - t_confirm
             dispose(pg)  # after the reports: a group torn down early could fail a member still receiving
             del pg
-            ok_ranks |= {r for r, v in reports.items() if v == b"ok"}
-            retry = sorted(r for r, v in reports.items() if v != b"ok")
+            ok_ranks |= {r for r, ok in reports.items() if ok}
+            retry = sorted(r for r, ok in reports.items() if not ok)
             dead_ranks |= set(todo) - set(reports)
             attempt += 1
-            if retry and (attempt >= self.max_attempts or time.monotonic() >= deadline - 0.5):
+            if retry and (attempt >= self.cfg.max_attempts or time.monotonic() >= deadline - 0.5):
                 dead_ranks |= set(retry)
                 retry = []
             todo = retry
-        ps.set(f"a{attempt}/roster", pack_roster([], abort=True))  # releases anyone still waiting
+        rs.set_roster(attempt, [], abort=True)  # releases anyone still waiting
         out["broadcast_s"] = time.monotonic() - t_bcast
         out["attempts"] = attempt
         failed = {owner[r] for r in dead_ranks} | {owner[r] for r in owner
@@ -338,22 +324,17 @@ class WeightSender:
         out["ok"] = sorted({owner[r] for r in owner} - absent_workers - failed)
         return out
 
-    def _broadcast(self, round_id: int, attempt: int, todo: list[int], buckets: list,
-                   deadline: float):
+    def _broadcast(self, rs: RoundStore, attempt: int, todo: list[int], buckets: list, deadline: float):
         """One attempt as group rank 0; returns (error or "", setup seconds, transfer seconds, group).
 
         On error the group is already torn down (its closed connections make peers still waiting
         on us fail fast); otherwise the caller disposes of it."""
         import torch
-        from torch.distributed import PrefixStore
 
         t0 = time.monotonic()
         pg = None
         try:
-            # a store client of its own: a timed-out rendezvous leaves it unusable
-            pg_store = PrefixStore(f"{round_prefix(round_id)}/a{attempt}/pg",
-                                   self._client(max(0.1, deadline - time.monotonic())))
-            pg = make_group(self.backend, pg_store, 0, 1 + len(todo), deadline - time.monotonic())
+            pg = rs.group(self.backend, attempt, 0, 1 + len(todo), deadline)
             t1 = time.monotonic()
             for b in buckets:
                 if not b.numel():
@@ -368,29 +349,36 @@ class WeightSender:
             del pg
             return f"{type(e).__name__}: {e}", time.monotonic() - t0, 0.0, None
 
-    def _collect(self, ps, attempt: int, todo: list[int], deadline: float, grace_s: float | None) -> dict:
+    def _collect(self, rs: RoundStore, attempt: int, todo: list[int], deadline: float,
+                 grace_s: float | None) -> dict[int, bool]:
         """Members' ok/err reports; stop at the deadline, or `grace_s` after the first sign of trouble."""
-        reports: dict[int, bytes] = {}
+        reports: dict[int, bool] = {}
         stop = deadline if grace_s is None else min(deadline, time.monotonic() + grace_s)
         sleep = 0.002
         while True:
             for r in todo:
-                if r not in reports and ps.check([f"a{attempt}/done/{r}"]):
-                    reports[r] = ps.get(f"a{attempt}/done/{r}")
-                    if reports[r] != b"ok" and grace_s is None:  # trouble: others get a grace period
-                        grace_s = 2.0
-                        stop = min(deadline, time.monotonic() + grace_s)
+                if r in reports:
+                    continue
+                ok = rs.report_of(attempt, r)
+                if ok is None:
+                    continue
+                reports[r] = ok
+                if not ok and grace_s is None:  # trouble: others get a grace period
+                    grace_s = 2.0
+                    stop = min(deadline, time.monotonic() + grace_s)
             if len(reports) == len(todo) or time.monotonic() >= stop:
                 return reports
             time.sleep(sleep)
             sleep = min(sleep * 1.5, 0.005)
 
-    def _publish_disk(self, version: int, manifest: dict, buckets: list, stats: dict, deadline: float) -> dict:
+    def _publish_disk(self, version: int, manifest: bk.Manifest, buckets: list, stats: dict,
+                      deadline: float) -> dict:
         from safetensors.torch import save_file
 
         t0 = time.monotonic()
-        os.makedirs(self.disk_dir, exist_ok=True)
-        final = os.path.join(self.disk_dir, f"v{version:08d}")
+        disk_dir = self.cfg.disk_dir
+        os.makedirs(disk_dir, exist_ok=True)
+        final = os.path.join(disk_dir, f"v{version:08d}")
         tmp = final + f".tmp{os.getpid()}"
         shutil.rmtree(tmp, ignore_errors=True)
         os.makedirs(tmp)
@@ -398,26 +386,26 @@ class WeightSender:
         save_file({n: t.clone() for n, t in bk.unpack(manifest, buckets)}, os.path.join(tmp, "model.safetensors"),
                   metadata={"version": str(version)})
         with open(os.path.join(tmp, "manifest.json"), "w") as f:
-            json.dump({"version": version, "manifest": manifest}, f)
+            json.dump({"version": version, "manifest": msgspec.to_builtins(manifest)}, f)
         shutil.rmtree(final, ignore_errors=True)
         os.rename(tmp, final)
         stats["write_s"] = time.monotonic() - t0
-        old = sorted(d for d in os.listdir(self.disk_dir) if d.startswith("v") and ".tmp" not in d)
-        for d in old[:-self.disk_keep]:
-            shutil.rmtree(os.path.join(self.disk_dir, d), ignore_errors=True)
+        old = sorted(d for d in os.listdir(disk_dir) if d.startswith("v") and ".tmp" not in d)
+        for d in old[:-self.cfg.disk_keep]:
+            shutil.rmtree(os.path.join(disk_dir, d), ignore_errors=True)
         ready = Ready(self.sender_id, version, "disk", manifest, "", 0, os.path.abspath(final), False,
                       self.timeout_s, self.join_timeout_s)
         try:
-            go = self._channel().request(ready, timeout_s=max(0.001, deadline - time.monotonic()))
+            go = ask(self._channel(), ready, timeout_s=max(0.001, deadline - time.monotonic()))
         except Exception as e:
             stats["error"] = f"service: {e}"
             return stats
         # generators load at their next poll and report done to the service; nothing to wait for
-        stats.update(round_id=go.round_id, members=[m[0] for m in go.members], path=os.path.abspath(final))
+        stats.update(round_id=go.round_id, members=[m.worker_id for m in go.members], path=os.path.abspath(final))
         return stats
 
     def _serve_loop(self) -> None:
-        while not self._stop.wait(self.serve_interval_s):
+        while not self._stop.wait(self.cfg.serve_interval_s):
             try:
                 self.serve_pending()
             except Exception as e:  # never let the thread die: the next tick tries again

@@ -6,12 +6,12 @@ from the state below, so a dead or slow generator cannot stall it.
 A publish round (learner rank 0 sends `ready` for version N):
   members = every registered generator that is alive (not dropped by a round, heard from within
   `stale_after_s`); ranks are assigned in order, the sender being rank 0; the reply `go` lists
-  them, and each member's next `poll` returns its round_info. Unclaimed catch-up rounds of the
+  them, and each member's next `poll` returns its `RoundInfo`. Unclaimed catch-up rounds of the
   previous version are cancelled (listed in `go.cancelled` so the sender releases their members).
 
 A catch-up round (a generator polls while behind the current version):
-  disk backend: the round_info points at the latest folder, answered on the spot;
-  group backends: the generator is added to the forming catch-up round and gets its round_info at
+  disk backend: the round points at the latest folder, answered on the spot;
+  group backends: the generator is added to the forming catch-up round and gets its `RoundInfo` at
   once; the sender claims the round at its next `pending_request` and broadcasts its retained
   weights. Offered only while the sender is known to be serving (it promised, in its last
   `pending_request`, to ask again within `next_within_s`), so a behind generator never waits on a
@@ -25,15 +25,16 @@ that died between rounds costs one join window, not one per round.
 
 from __future__ import annotations
 
-import ctypes
 import logging
-import os
 import threading
 import time
 from dataclasses import dataclass, field
 
+import msgspec
 import zmq
 
+from common.guards import MemoryGuard, WarnLimiter
+from common.ready import mark_ready
 from weight_sync.config import WeightSyncConfig, endpoint
 from weight_sync.messages import (
     MAX_MESSAGE_BYTES,
@@ -42,6 +43,7 @@ from weight_sync.messages import (
     Error,
     Go,
     Idle,
+    Member,
     Offer,
     PendingRequest,
     Poll,
@@ -49,6 +51,7 @@ from weight_sync.messages import (
     Ready,
     Register,
     Registered,
+    RoundInfo,
     RoundResult,
     Status,
     StatusRequest,
@@ -70,7 +73,7 @@ class Generator:
     last_seen: float
     dead: bool = False  # dropped by a round; revived by its next poll
     absent: bool = False  # missed a round's join window (busy or gone); back at its next message
-    offer: dict | None = None  # round_info not yet handed out
+    offer: RoundInfo | None = None  # a round not yet handed out
     round_id: int | None = None  # the round it was handed (until it polls again or reports done)
     load_s: float = 0.0
 
@@ -192,17 +195,14 @@ class SyncState:
             del self.rounds[rid]
         return r
 
-    def _add(self, r: Round, g: Generator) -> dict:
-        """Make `g` a member of `r`; its round_info."""
+    def _add(self, r: Round, g: Generator) -> RoundInfo:
+        """Make `g` a member of `r`; its view of the round."""
         cur = self.current
         r.members[g.worker_id] = r.next_rank
-        info = {
-            "round_id": r.round_id, "version": r.version, "backend": cur.backend, "mode": self.cfg.mode,
-            "timeout_s": cur.timeout_s, "catch_up": r.catch_up, "manifest": cur.manifest,
-            "bucket_bytes": max(cur.manifest["buckets"], default=0),
-            "host": cur.host, "port": cur.port, "path": cur.path,
-            "rank": r.next_rank, "local_world_size": g.world_size, "world_size": r.next_rank + g.world_size,
-        }
+        info = RoundInfo(r.round_id, r.version, cur.backend, self.cfg.mode, cur.timeout_s, r.catch_up, cur.manifest,
+                         bucket_bytes=max(cur.manifest.buckets, default=0), host=cur.host, port=cur.port,
+                         path=cur.path, rank=r.next_rank, local_world_size=g.world_size,
+                         world_size=r.next_rank + g.world_size)
         r.next_rank += g.world_size
         g.round_id = r.round_id
         return info
@@ -228,14 +228,14 @@ class SyncState:
             if self._eligible(g):
                 g.offer = self._add(r, g)  # replaces any older offer never picked up
         self.counts["rounds"] += 1
-        members = [[wid, rank, self.generators[wid].world_size] for wid, rank in r.members.items()]
+        members = [Member(wid, rank, self.generators[wid].world_size) for wid, rank in r.members.items()]
         if m.backend == "disk":  # nothing to coordinate: members read the folder at their next poll
             r.state = "closed"
             self.last_round = {"round_id": r.round_id, "version": m.version, "backend": "disk",
-                               "members": [x[0] for x in members], "path": m.path}
+                               "members": [x.worker_id for x in members], "path": m.path}
         return Go(r.round_id, m.version, members, r.next_rank, False, cancelled)
 
-    def _catch_up(self, g: Generator) -> dict | None:
+    def _catch_up(self, g: Generator) -> RoundInfo | None:
         cur = self.current
         if cur.backend == "disk":
             r = self._new_round(cur.version, catch_up=True)
@@ -260,7 +260,7 @@ class SyncState:
         self.forming = None
         r.state = "running"
         self.counts["catch_up_rounds"] += 1
-        members = [[wid, rank, self.generators[wid].world_size] for wid, rank in r.members.items()
+        members = [Member(wid, rank, self.generators[wid].world_size) for wid, rank in r.members.items()
                    if wid in self.generators]
         return Go(r.round_id, r.version, members, r.next_rank, True, [])
 
@@ -281,10 +281,10 @@ class SyncState:
                 # a generator gone before joining must not cost every later publish a join window:
                 # left out until it is heard from again (a busy one then catches up at its next poll)
                 g.absent = True
-                if g.offer is not None and g.offer["round_id"] == m.round_id:
+                if g.offer is not None and g.offer.round_id == m.round_id:
                     g.offer = None  # never picked up: its next poll gets a catch-up instead
         self.last_round = {"round_id": m.round_id, "version": m.version, "ok": list(m.ok), "missed": list(m.missed),
-                           "failed": list(m.failed), **{k: v for k, v in m.stats.items()}}
+                           "failed": list(m.failed), **msgspec.structs.asdict(m.stats)}
         return Ack(f"round {m.round_id} closed")
 
     # ---- status ----------------------------------------------------------------------------
@@ -311,31 +311,14 @@ class SyncState:
 
 
 # What the ROUTER queues per peer, in whole messages (libzmq counts messages; MAXMSGSIZE bounds each
-# frame). A peer has one request in flight: more unread replies than this are dropped by the ROUTER.
-HWM = 16
+# frame). Requests: a peer has one in flight, and past RCV_HWM it is simply not read (TCP pushes
+# back). Replies: a ROUTER drops those past SND_HWM, so that one is roomier: the loop answers faster
+# than libzmq's I/O thread hands small replies on, and a peer with a burst of requests in flight
+# must still get every answer. A peer that never reads can hold no more than SND_HWM replies (the
+# large one, a round's offer, is handed out once), and the memory guard bounds what they weigh.
+RCV_HWM = 16
+SND_HWM = 1024
 POLL_MS = 100
-
-
-class WarnLimiter:
-    """At most one warning per `every_s` per kind; says how many were held back.
-
-    (A copy of `buffer.service.WarnLimiter`: `weight_sync/` and `buffer/` import nothing of the
-    project, so there is no module both may share.)"""
-
-    def __init__(self, every_s: float = 5.0):
-        self.every_s = every_s
-        self._last: dict[str, float] = {}
-        self._held: dict[str, int] = {}
-
-    def warn(self, kind: str, msg: str, *args, exc_info: bool = False) -> None:
-        now = time.monotonic()
-        if now - self._last.get(kind, -1e9) < self.every_s:
-            self._held[kind] = self._held.get(kind, 0) + 1
-            return
-        held = self._held.pop(kind, 0)
-        self._last[kind] = now
-        log.warning(msg + (f" ({held} more since the last warning of this kind)" if held else ""), *args,
-                    exc_info=exc_info)
 
 
 class WeightSyncService:
@@ -346,14 +329,14 @@ class WeightSyncService:
     warnings are rate-limited, frames are capped (MAXMSGSIZE) and so are the messages queued per
     peer. libzmq cannot bound a multipart message that never ends; when the service runs as a
     process of its own (`serve`), a memory guard drops every connection past a budget
-    (`memory_resets`; see `buffer.service.MemoryGuard`, of which this is the same rule).
+    (`memory_resets`; `common.guards.MemoryGuard`, the buffer's rule too).
     """
 
     def __init__(self, cfg: WeightSyncConfig, context: zmq.Context | None = None, guard_memory: bool = False):
         self.cfg = cfg
         self.state = SyncState(cfg)
         self.state.counts.update(malformed=0, internal_errors=0, memory_resets=0)
-        self.warnings = WarnLimiter()
+        self.warnings = WarnLimiter(log)
         self._ctx = context or zmq.Context.instance()
         self._stop = threading.Event()
         self._ready = threading.Event()
@@ -363,8 +346,8 @@ class WeightSyncService:
         sock = self._ctx.socket(zmq.ROUTER)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
-        sock.setsockopt(zmq.RCVHWM, HWM)
-        sock.setsockopt(zmq.SNDHWM, HWM)
+        sock.setsockopt(zmq.RCVHWM, RCV_HWM)
+        sock.setsockopt(zmq.SNDHWM, SND_HWM)
         for attempt in range(tries):  # (binding again: the old listener may take a moment to go)
             try:
                 sock.bind(endpoint(self.cfg.host, self.cfg.port))
@@ -379,8 +362,11 @@ class WeightSyncService:
         sock = self._bind()
         self._ready.set()
         log.info("weight-sync service on %s", endpoint(self.cfg.host, self.cfg.port))
+        mark_ready("weight_sync", endpoint=endpoint(self.cfg.host, self.cfg.port))
         # what it keeps on purpose is one manifest (the current version's) and replies carrying it
-        memory = _MemoryBudget(4 * MAX_MESSAGE_BYTES) if self._guard_memory else None
+        # checked every 50 ms (one read of /proc): a peer that sends fast and hangs up holds its
+        # frames for a fraction of a second, and must still be seen past the budget
+        memory = MemoryGuard(4 * MAX_MESSAGE_BYTES, every_s=0.05) if self._guard_memory else None
         try:
             while not self._stop.is_set():
                 if sock.poll(POLL_MS, zmq.POLLIN):
@@ -406,7 +392,7 @@ class WeightSyncService:
             self.state.counts["internal_errors"] += 1
             self.warnings.warn("internal", "weight-sync reply failed", exc_info=True)
             reply = encode(Error("internal error in the weight-sync service", ""))
-        # a ROUTER never blocks: a reply to a peer past its HWM (it does not read) is dropped
+        # a ROUTER never blocks: a reply to a peer past SND_HWM (it does not read) is dropped
         sock.send_multipart([frames[0], b"", reply], zmq.NOBLOCK)
 
     def _answer(self, body: list[bytes]):
@@ -436,44 +422,6 @@ class WeightSyncService:
 
     def stop(self) -> None:
         self._stop.set()
-
-
-class _MemoryBudget:
-    """Trips when the process is `budget` bytes past its size at start (see `buffer.service.MemoryGuard`:
-    libzmq holds a multipart message's frames until the last one, without bound, and cannot say
-    whose; only dropping the connections frees them). A minimal copy: the packages share no module."""
-
-    def __init__(self, budget: int, every_s: float = 0.25):
-        self.budget, self.every_s = budget, every_s
-        self.base = _rss()
-        self._next = 0.0
-        self._trim = False
-
-    def over(self) -> bool:
-        now = time.monotonic()
-        if now < self._next or not self.base:
-            return False
-        self._next = now + self.every_s
-        if self._trim:  # the socket closed a check ago: libzmq has freed its queues by now
-            self._trim = False
-            try:
-                ctypes.CDLL(None).malloc_trim(0)  # glibc keeps freed heap otherwise
-            except (OSError, AttributeError):
-                pass
-            self.base = max(self.base, _rss())  # what could not be given back stays
-            return False
-        return _rss() > self.base + self.budget
-
-    def reset(self) -> None:
-        self._trim = True
-
-
-def _rss() -> int:
-    try:
-        with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    except (OSError, ValueError, IndexError):
-        return 0
 
 
 def serve(cfg: WeightSyncConfig) -> None:

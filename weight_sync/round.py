@@ -1,0 +1,172 @@
+"""One round's data plane, as both ends see it: the rendezvous keys, the roster, the group.
+
+The sender (learner rank 0) runs a `TCPStore` server that lives as long as it does
+(`store_server`); every key of round R sits under `ws/r<R>/` on it:
+
+    member rank r       join/<r> = 1                      "I am here" (the sender waits join_timeout_s)
+    sender              a<k>/roster = Roster(ranks, abort) attempt k's members, in group-rank order
+    everyone in roster  a<k>/pg/...                       a fresh ProcessGroupGloo / NCCL per attempt
+    sender              broadcast bucket 0, 1, ... from group rank 0
+    member rank r       a<k>/done/<r> = ok | err
+
+A member that dies mid-broadcast makes the others' broadcast fail (gloo reports "connection reset"
+within milliseconds, and each side tearing its group down spreads the error); those report `err`,
+the sender drops whoever did not report and starts attempt k+1 with the `err` reporters, all within
+the round's timeout. A member left out of a roster (or handed an `abort` one) raises `RoundMissed`;
+it catches up later. The sender's side is `weight_sync.sender.WeightSender._run_round`, the
+member's `weight_sync.receiver.receive_buckets`; both speak through `RoundStore` below.
+
+Keys are polled with `check` rather than waited on with `wait`: a `wait` that times out leaves
+the store client out of step with the server (every later call then fails). For the same reason
+each attempt's group gets a store client of its own: a timed-out rendezvous leaves that client
+unusable, and the control keys must still get through.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import threading
+import time
+from datetime import timedelta
+
+import msgspec
+
+
+class RoundMissed(RuntimeError):
+    """This generator did not get the round's weights (left out, sender gone, or timed out).
+
+    Its weights are unchanged (nothing is loaded until every bucket arrived): do not report `done`;
+    the next poll brings a catch-up round.
+    """
+
+
+class Roster(msgspec.Struct):
+    """Attempt k's members as group ranks 1, 2, ... (in this order); `abort`: the round is off."""
+
+    ranks: list[int]
+    abort: bool = False
+
+
+_ROSTER = msgspec.msgpack.Decoder(Roster)
+
+
+class RoundStore:
+    """Round `round_id`'s keys on the sender's store, through one store client."""
+
+    def __init__(self, host: str, port: int, round_id: int, timeout_s: float):
+        from torch.distributed import PrefixStore
+
+        self.host, self.port, self.round_id = host, port, round_id
+        self.prefix = f"ws/r{round_id}"
+        self.store = PrefixStore(self.prefix, open_store(host, port, timeout_s))
+
+    # ---- joining --------------------------------------------------------------------------
+
+    def join(self, rank: int) -> None:
+        self.store.set(f"join/{rank}", b"1")
+
+    def joined(self, rank: int) -> bool:
+        return self.store.check([f"join/{rank}"])
+
+    # ---- the roster of each attempt --------------------------------------------------------
+
+    def set_roster(self, attempt: int, ranks: list[int], abort: bool = False) -> None:
+        self.store.set(f"a{attempt}/roster", msgspec.msgpack.encode(Roster(list(ranks), abort)))
+
+    def wait_roster(self, attempt: int, deadline: float) -> Roster | None:
+        """Attempt `attempt`'s roster, or None if none came by `deadline` (monotonic)."""
+        key = f"a{attempt}/roster"
+        if not wait_key(self.store, key, deadline):
+            return None
+        try:
+            return _ROSTER.decode(self.store.get(key))
+        except msgspec.DecodeError as e:
+            raise RoundMissed(f"malformed roster for attempt {attempt} of round {self.round_id}: {e}") from None
+
+    # ---- the group and the reports ---------------------------------------------------------
+
+    def group(self, backend: str, attempt: int, group_rank: int, world_size: int, deadline: float):
+        """Attempt `attempt`'s process group, as `group_rank` of `world_size` (on a store client
+        of its own). Every rank of the roster must construct it concurrently."""
+        from torch.distributed import PrefixStore
+
+        timeout_s = max(0.1, deadline - time.monotonic())
+        pg_store = PrefixStore(f"{self.prefix}/a{attempt}/pg", open_store(self.host, self.port, timeout_s))
+        return make_group(backend, pg_store, group_rank, world_size, deadline - time.monotonic())
+
+    def report(self, attempt: int, rank: int, ok: bool) -> None:
+        self.store.set(f"a{attempt}/done/{rank}", b"ok" if ok else b"err")
+
+    def report_of(self, attempt: int, rank: int) -> bool | None:
+        """Whether member `rank` received attempt `attempt` (None: it has not said yet)."""
+        key = f"a{attempt}/done/{rank}"
+        if not self.store.check([key]):
+            return None
+        return self.store.get(key) == b"ok"
+
+
+# --------------------------------------------------------------------------------------------
+# stores and groups
+
+
+def store_server(host: str, timeout_s: float):
+    """The rendezvous store's server, listening on `host` only, on a free port.
+
+    A TCPStore master binds every interface (`::`) whatever host it is given; handed a socket
+    that listens already (`master_listen_fd`, which it then owns), it serves on that one."""
+    import torch.distributed as dist
+
+    family = socket.getaddrinfo(host, 0, type=socket.SOCK_STREAM)[0][0]
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        s.listen(1024)  # every member rank connects at once at the start of a round
+        port = s.getsockname()[1]
+        fd = s.detach()
+    try:
+        return dist.TCPStore(host, port, None, True, timeout=timedelta(seconds=max(timeout_s, 0.1)),
+                             wait_for_workers=False, master_listen_fd=fd)
+    except Exception:
+        os.close(fd)
+        raise
+
+
+def open_store(host: str, port: int, timeout_s: float, is_master: bool = False):
+    """A TCPStore client (or, with `is_master`, a server on `port`, 0 = any free port)."""
+    import torch.distributed as dist
+
+    return dist.TCPStore(host, port, None, is_master, timeout=timedelta(seconds=max(timeout_s, 0.1)),
+                         wait_for_workers=False)
+
+
+def make_group(backend: str, store, rank: int, world_size: int, timeout_s: float):
+    """A standalone process group on `store` (separate from any default group: DeepSpeed's stays
+    untouched). Every rank must construct it concurrently."""
+    import torch.distributed as dist
+
+    timeout = timedelta(seconds=max(timeout_s, 0.1))
+    if backend == "gloo":
+        return dist.ProcessGroupGloo(store, rank, world_size, timeout)
+    if backend == "nccl":
+        opts = dist.ProcessGroupNCCL.Options()
+        opts._timeout = timeout
+        return dist.ProcessGroupNCCL(store, rank, world_size, opts)
+    raise ValueError(f"no process group for backend {backend!r}")
+
+
+def dispose(pg) -> None:
+    """Drop a finished group from a short-lived thread: gloo's teardown takes ~20 ms (it joins its
+    worker threads), and nobody should wait for it. (Thread.run deletes its args in the thread.)"""
+    if pg is not None:
+        threading.Thread(target=lambda _pg: None, args=(pg,), name="weight-sync-pg-teardown", daemon=True).start()
+
+
+def wait_key(store, key: str, deadline: float, poll_s: float = 0.005) -> bool:
+    """Poll until `key` exists (True) or `deadline` (monotonic) passes (False)."""
+    while True:
+        if store.check([key]):
+            return True
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(poll_s)
+        poll_s = min(poll_s * 1.5, 0.005)
