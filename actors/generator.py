@@ -37,6 +37,8 @@ from actors.config import GeneratorConfig
 from actors.engines import Completion, Engine, Sampling, build_engine
 from buffer.client import BufferClient, BufferError
 from buffer.protocol import ID_DTYPE, LOGPROB_DTYPE, LeaseGrant, Rollout, Wait
+from common.ready import mark_ready
+from weight_sync.messages import RoundInfo
 
 log = logging.getLogger("conveyor.generator")
 
@@ -183,24 +185,23 @@ class WeightSyncHook:
         round_info = self.ws.poll()
         if round_info is None:
             return
-        if round_info["mode"] == "interrupt":
+        if round_info.mode == "interrupt":
             self.apply(engine, round_info, mid_batch=True)
         else:  # the service now says `finish`: the batch ends on the weights it started with
             self.deferred = round_info
 
-    def apply(self, engine: Engine, round_info: dict, mid_batch: bool = False) -> None:
-        version = int(round_info["version"])
-        self.mode = round_info.get("mode", self.mode)
+    def apply(self, engine: Engine, round_info: RoundInfo, mid_batch: bool = False) -> None:
+        version = round_info.version
+        self.mode = round_info.mode
         t0 = time.monotonic()
         try:
-            engine.receive_weights(round_info)  # in `interrupt` mode: pause, load, resume
+            engine.receive_weights(round_info)  # in `interrupt` mode: pause, load, resume; stamps the version
         except Exception as e:
             # Keep generating with the weights we have: their version is still stamped truthfully.
             log.error("weights v%d not loaded: %s: %s", version, type(e).__name__, e)
             self.ws.done(version, ok=False, load_s=time.monotonic() - t0, error=f"{type(e).__name__}: {e}")
             return
         load_s = time.monotonic() - t0
-        engine.version = version
         self.ws.done(version, ok=True, load_s=load_s)
         log.info("weights v%d loaded%s (time/weight_sync %.2fs)", version,
                  " into the running batch" if mid_batch else "", load_s)
@@ -351,6 +352,7 @@ def run_generator(cfg: GeneratorConfig, stop: threading.Event | None = None) -> 
         if cfg.weight_sync_port:
             sync = WeightSyncHook(cfg, worker_id, engine)
             sync.initial(engine)
+        mark_ready("generator", worker_id=worker_id, version=engine.version)
         while not stop.is_set():
             if sync is not None:
                 sync.poll(engine)

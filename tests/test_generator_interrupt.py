@@ -19,6 +19,7 @@ from __future__ import annotations
 import re
 import threading
 import time
+from types import SimpleNamespace
 from concurrent.futures import Future
 
 import numpy as np
@@ -190,12 +191,10 @@ class FakeEngine(Engine):
     def generate(self, prompt_ids, n, sampling):
         return [[Completion([5], [-1.0], "length", "x")]]
 
-    def receive_weights(self, round_info: dict) -> None:
+    def receive_weights(self, round_info) -> None:
         running = self.batch is not None and not self.batch.done()
-        self.loaded.append((round_info["version"], round_info["mode"], running))
-
-    def load_state_dict(self, named_tensors) -> None:
-        pass
+        self.loaded.append((round_info.version, round_info.mode, running))
+        self.version = round_info.version  # an engine stamps the version it loaded
 
 
 class FakeSyncClient:
@@ -215,6 +214,11 @@ class FakeSyncClient:
         self.dones.append(version)
 
 
+def Round(version: int, mode: str):
+    """The two fields of a round's description that the generator's hook reads."""
+    return SimpleNamespace(version=version, mode=mode)
+
+
 def fake_hook(engine: FakeEngine, script, mode: str = "interrupt") -> WeightSyncHook:
     hook = WeightSyncHook.__new__(WeightSyncHook)  # without registering with a service
     hook.ws, hook.mode, hook.deferred = FakeSyncClient(engine, script), mode, None
@@ -224,7 +228,7 @@ def fake_hook(engine: FakeEngine, script, mode: str = "interrupt") -> WeightSync
 
 def test_interrupt_round_is_loaded_into_the_running_batch():
     engine = FakeEngine()
-    hook = fake_hook(engine, [None, {"version": 3, "mode": "interrupt"}])
+    hook = fake_hook(engine, [None, Round(version=3, mode="interrupt")])
     out = generate_batch(engine, [[1, 2]], 1, None, hook)
     assert out[0][0].versions == [0, 1]
     assert engine.loaded == [(3, "interrupt", True)] and hook.ws.dones == [3] and engine.version == 3
@@ -234,10 +238,10 @@ def test_interrupt_round_is_loaded_into_the_running_batch():
 def test_finish_round_arriving_mid_batch_waits_for_the_batch():
     # the service switched to `finish`: the round is loaded after the batch, then polling stops
     engine = FakeEngine()
-    hook = fake_hook(engine, [{"version": 4, "mode": "finish"}, {"version": 5, "mode": "interrupt"}])
+    hook = fake_hook(engine, [Round(version=4, mode="finish"), Round(version=5, mode="interrupt")])
     generate_batch(engine, [[1]], 1, None, hook)
     assert engine.loaded == [] and len(hook.ws.script) == 1  # no load, and no poll after the deferred round
-    assert hook.deferred == {"version": 4, "mode": "finish"}
+    assert hook.deferred == Round(version=4, mode="finish")
     hook.poll(engine)  # between batches
     assert engine.loaded == [(4, "finish", False)] and hook.mode == "finish" and hook.deferred is None
     assert generate_batch(engine, [[1]], 1, None, hook)[0][0].token_ids == [5]  # plain generate now
@@ -245,7 +249,7 @@ def test_finish_round_arriving_mid_batch_waits_for_the_batch():
 
 def test_finish_mode_never_polls_mid_batch():
     engine = FakeEngine()
-    hook = fake_hook(engine, [{"version": 1, "mode": "finish"}], mode="finish")
+    hook = fake_hook(engine, [Round(version=1, mode="finish")], mode="finish")
     assert generate_batch(engine, [[1]], 1, None, hook)[0][0].versions is None
     assert hook.ws.script and engine.batch is None  # generate, not submit; the round still waits
 

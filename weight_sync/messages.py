@@ -92,16 +92,6 @@ class RoundInfo(msgspec.Struct):
             raise ProtocolError("round_info.rank", f"ranks {self.rank}..{self.rank + self.local_world_size - 1} "
                                                    f"do not fit world_size {self.world_size}")
 
-    # dict-style reads (`info["version"]`, `info.get("mode")`), as when a round was a plain map
-    def __getitem__(self, key: str) -> Any:
-        try:
-            return getattr(self, key)
-        except AttributeError:
-            raise KeyError(key) from None
-
-    def get(self, key: str, default: Any = None) -> Any:
-        return getattr(self, key, default)
-
 
 class Member(msgspec.Struct, array_like=True):
     """A round's member on the wire: `[worker_id, first_rank, world_size]` (the sender is rank 0)."""
