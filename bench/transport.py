@@ -5,7 +5,8 @@
 
 Three runs, each with a producer and a consumer process (multiprocessing, spawn start method):
 
-  buffer  producer -> buffer (`python -m launch.buffer`, a process of its own) -> consumer.
+  buffer  producer -> buffer (`python -m launch.buffer`, a process of its own, ready when it writes
+          its ready file) -> consumer.
           The producer takes real leases, in bulk (up to a step's worth of groups per request),
           answers each group with one `scored` message of `--group` rollouts pushed to the
           buffer's ingest socket, and leases again. The consumer is a learner:
@@ -23,8 +24,10 @@ A rollout carries `--tokens` completion tokens (ids, behaviour log-probs and ver
 arrays, ~12 KiB for 1,024 tokens) and a 16-token prompt. The producer msgpack-encodes each
 rollout's map (the arrays are packed once; the ids change per rollout), as a scorer would.
 Throughput counts the rollouts the consumer has decoded, after `--warmup` of them, over `--n` more.
-CPU time per rollout is reported for every process (the buffer's read from /proc): wall-clock
-figures on a shared machine move with the load, CPU per rollout much less.
+CPU time per rollout is reported for every process (the buffer's read from /proc: `buffer` for the
+whole process, `buffer_loop` for its main thread, the Python loop; the difference is libzmq's I/O
+thread moving the bytes), and the control requests per rollout: wall-clock figures on a shared
+machine move with the load, CPU per rollout much less.
 
 Why the ratio cannot approach 1: the buffer hop receives every rollout and sends it again, and
 moving 12 KiB through ZeroMQ costs about as much CPU as receiving it at the far end; the buffer
@@ -51,7 +54,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from launch.ports import free_port_block as free_base_port  # noqa: E402 (after the path is set)
+from buffer.client import BufferClient  # noqa: E402 (after the path is set)
+from common.ready import ENV as READY_ENV, read_ready  # noqa: E402
+from launch.ports import free_port_block as free_base_port  # noqa: E402
 
 
 def say(*args) -> None:
@@ -127,7 +132,6 @@ class Meter:
 def produce_buffer(port: int, tokens: int, group: int, per_step: int, groups: int, out) -> None:
     import zmq
 
-    from buffer.client import BufferClient
     from buffer.config import endpoints
     from buffer.protocol import LeaseGrant
 
@@ -160,8 +164,6 @@ def produce_buffer(port: int, tokens: int, group: int, per_step: int, groups: in
 
 
 def consume_buffer(port: int, total: int, warmup: int, out) -> None:
-    from buffer.client import BufferClient
-
     client = BufferClient(port=port, timeout_s=60)
     meter = Meter(warmup, out)
     cpu0 = time.process_time()
@@ -216,10 +218,11 @@ def consume_raw(port: int, total: int, warmup: int, decode_items: bool, out) -> 
 # --------------------------------------------------------------------------------------------
 
 
-def cpu_seconds(pid: int) -> float:
-    """User + system CPU time of a process, from /proc (Linux)."""
+def cpu_seconds(pid: int, tid: int | None = None) -> float:
+    """User + system CPU time of a process (or of its thread `tid`), from /proc (Linux)."""
+    path = f"/proc/{pid}/stat" if tid is None else f"/proc/{pid}/task/{tid}/stat"
     try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        fields = Path(path).read_text().rsplit(")", 1)[1].split()
         return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
     except (OSError, IndexError, ValueError):
         return float("nan")
@@ -260,13 +263,16 @@ def run_buffer(args, ctx) -> tuple[float, int, dict]:
         cmd = [sys.executable, *prof, "-m", "launch.buffer", "--buffer.port", str(port),
                "--buffer.prompts", str(prompts), "--buffer.prompts_per_step", str(args.per_step), "--buffer.n_samples_per_prompt", str(args.group),
                "--buffer.max_staleness", "16", "--buffer.log_level", "warning"]
-        buf = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, text=True,
-                               env={**os.environ, "PYTHONPATH": str(ROOT)})
+        ready = Path(tmp) / "ready.json"
+        buf = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL,
+                               env={**os.environ, "PYTHONPATH": str(ROOT), READY_ENV: str(ready)})
         try:
-            line = buf.stdout.readline()
-            if not line.startswith("buffer ready"):
-                raise RuntimeError(f"buffer did not start: {line!r}")
-            buffer_cpu0 = cpu_seconds(buf.pid)
+            deadline = time.monotonic() + 60
+            while read_ready(ready) is None:  # the buffer's explicit ready signal
+                if buf.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError(f"buffer did not start (exit status {buf.poll()})")
+                time.sleep(0.05)
+            buffer_cpu0 = cpu_seconds(buf.pid), cpu_seconds(buf.pid, buf.pid)
             out = ctx.Queue()
             procs = [ctx.Process(target=consume_buffer, args=(port, total, args.warmup, out), name="consumer"),
                      ctx.Process(target=produce_buffer, name="producer",
@@ -274,7 +280,12 @@ def run_buffer(args, ctx) -> tuple[float, int, dict]:
             for p in procs:
                 p.start()
             rate, n, cpu = collect("buffer path", out, procs, total)
-            cpu["buffer"] = cpu_seconds(buf.pid) - buffer_cpu0
+            # the buffer's Python loop runs on its main thread; libzmq moves the bytes on its own threads
+            cpu["buffer"] = cpu_seconds(buf.pid) - buffer_cpu0[0]
+            cpu["buffer_loop"] = cpu_seconds(buf.pid, buf.pid) - buffer_cpu0[1]
+            with BufferClient(port=port, timeout_s=10) as c:
+                requests = c.metrics()["buffer/requests"]
+            say(f"buffer path: {requests / total:.3f} control requests per rollout")
         finally:
             buf.terminate()
             buf.wait(10)

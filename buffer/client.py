@@ -1,9 +1,9 @@
 """The blocking client that generators, scorers and learner ranks use to talk to the buffer.
 
-One client per thread (ZeroMQ sockets are not thread-safe). Requests go over a DEALER socket to the
-buffer's ROUTER; a request that times out closes and reopens the socket (so a lost reply never
-wedges the client) and raises `TimeoutError`. Rollout streams use PUSH/PULL sockets, whose
-high-water marks give back-pressure.
+One client per thread (ZeroMQ sockets are not thread-safe). Requests go through a
+`common.channel.Channel` (a DEALER socket to the buffer's ROUTER); a request that times out closes
+and reopens the socket (so a lost reply never wedges the client) and raises `TimeoutError`.
+Rollout streams use PUSH/PULL sockets, whose high-water marks give back-pressure.
 """
 
 from __future__ import annotations
@@ -38,6 +38,7 @@ from buffer.protocol import (
     decode,
     encode,
 )
+from common.channel import Channel
 
 
 class BufferError(RuntimeError):
@@ -61,34 +62,17 @@ class BufferClient:
         self.timeout_s = timeout_s
         self.limits = limits
         self._ctx = context or zmq.Context.instance()
-        self._control: zmq.Socket | None = None
+        self.channel = Channel(self.endpoints["control"], "buffer", timeout_s, context=self._ctx)
         self._push_rollouts: zmq.Socket | None = None
         self._push_scored: zmq.Socket | None = None
         self._pull_rollouts: zmq.Socket | None = None
 
     # ---- request/reply ---------------------------------------------------------------------
 
-    def _control_socket(self) -> zmq.Socket:
-        if self._control is None:
-            s = self._ctx.socket(zmq.DEALER)
-            s.setsockopt(zmq.LINGER, 0)
-            s.connect(self.endpoints["control"])
-            self._control = s
-        return self._control
-
     def request(self, msg, timeout_s: float | None = None):
         """Send one control message and return the decoded reply; `Error` replies raise `BufferError`."""
-        sock = self._control_socket()
-        sock.send_multipart([b"", *encode(msg)], copy=False)
-        timeout_ms = int(1000 * (self.timeout_s if timeout_s is None else timeout_s))
-        if not sock.poll(timeout_ms, zmq.POLLIN):
-            # The reply may still come; a fresh socket makes sure it is never mistaken for the next one.
-            sock.close(0)
-            self._control = None
-            raise TimeoutError(f"buffer at {self.endpoints['control']} did not answer {type(msg).__name__} "
-                               f"within {timeout_ms / 1000:.1f}s")
-        frames = sock.recv_multipart(copy=False)
-        reply = decode([f.buffer for f in frames[1:]], self.limits)
+        frames = self.channel.request(encode(msg), type(msg).__name__, timeout_s)
+        reply = decode(frames, self.limits)
         if isinstance(reply, Error):
             if reply.field == "resume":
                 raise ResumeNeeded(reply.message)
@@ -191,7 +175,8 @@ class BufferClient:
         return msg.rollouts
 
     def close(self) -> None:
-        for attr in ("_control", "_push_rollouts", "_push_scored", "_pull_rollouts"):
+        self.channel.close()
+        for attr in ("_push_rollouts", "_push_scored", "_pull_rollouts"):
             s = getattr(self, attr)
             if s is not None:
                 s.close()

@@ -7,8 +7,9 @@
 
 `BufferService.run` is the loop; `buffer/state.py` holds the bookkeeping it drives (admission,
 leases, groups, batches) and `buffer/store.py` what it keeps on disk. A scored rollout is checked
-once (`buffer/ingest.py`: unpacked, every field checked, no objects built), its frame kept as
-received and served to the learner as it came (`protocol.encode_batch`), never encoded again.
+once, by decoding it into its type as a learner will (`scored_meta`); its frame is kept as
+received (the `zmq.Frame` itself: nothing is copied out of it) and served to the learner as it
+came (`protocol.encode_batch`), never encoded again. Relayed messages go on as received too.
 
 Nothing a peer sends can stop the loop: a malformed request gets an `Error` reply naming the field,
 a malformed stream message is dropped and counted (`buffer/malformed`), an unexpected exception in
@@ -20,25 +21,25 @@ what libzmq cannot bound (a multipart message that never ends).
 
 from __future__ import annotations
 
-import ctypes
 import logging
-import os
 import signal
 import threading
 import time
-from typing import Sequence
+from typing import NamedTuple, Sequence
 
 import zmq
 
 from buffer.config import BufferConfig, endpoints
 from buffer.protocol import (
     DEFAULT_LIMITS,
+    TYPE_NAMES,
     Ack,
     BatchRequest,
     Error,
     GroupFailed,
     LeaseRenew,
     LeaseRequest,
+    Limits,
     Metrics,
     MetricsRequest,
     ProtocolError,
@@ -47,13 +48,16 @@ from buffer.protocol import (
     Wait,
     decode,
     decode_envelope,
+    decode_item,
     encode,
     encode_batch,
     short,
 )
-from buffer.ingest import scored_meta
-from buffer.state import BufferState, RequestError, Sample, load_prompts
+from buffer.prompts import load_prompts
+from buffer.state import BufferState, RequestError, Sample
 from buffer.store import StateStore
+from common.guards import MemoryGuard, WarnLimiter, rss_bytes
+from common.ready import mark_ready
 
 log = logging.getLogger("buffer")
 
@@ -62,6 +66,7 @@ DRAIN = 64  # messages taken from one socket before looking at the others again
 EXPIRE_EVERY_S = 0.05
 # Types a peer may receive from the buffer but never send it as a request.
 NOT_REQUESTS = {"lease_grant", "wait", "metrics", "ack", "error", "batch", "rollouts"}
+assert NOT_REQUESTS <= TYPE_NAMES
 # What each socket queues per peer, in whole messages (libzmq counts messages, not bytes; MAXMSGSIZE
 # bounds each frame). A client has one request in flight, so 16 unread replies on control are
 # already a misbehaving peer (a ROUTER drops replies past it). relay_out holds few per scorer: a
@@ -75,85 +80,33 @@ class ResumeError(RuntimeError):
     """`--resume` was asked for but there is no state to resume from."""
 
 
-class WarnLimiter:
-    """At most one warning per `every_s` per kind; says how many were held back."""
+class ScoredMeta(NamedTuple):
+    """What the bookkeeping reads of one scored rollout (the frame itself is kept as it came)."""
 
-    def __init__(self, every_s: float = 5.0):
-        self.every_s = every_s
-        self._last: dict[str, float] = {}
-        self._held: dict[str, int] = {}
-
-    def warn(self, kind: str, msg: str, *args, exc_info: bool = False) -> None:
-        now = time.monotonic()
-        if now - self._last.get(kind, -1e9) < self.every_s:
-            self._held[kind] = self._held.get(kind, 0) + 1
-            return
-        held = self._held.pop(kind, 0)
-        self._last[kind] = now
-        log.warning(msg + (f" ({held} more since the last warning of this kind)" if held else ""), *args,
-                    exc_info=exc_info)
+    group_id: int
+    sample_index: int
+    lease_id: int
+    failed: bool
+    min_version: int | None  # oldest token's policy version; None for an empty completion
+    reward: float
+    error: str
+    max_version: int | None = None  # newest token's policy version; None for an empty completion
 
 
-class MemoryGuard:
-    """Bounds what peers can make this process hold beyond what it keeps on purpose.
-
-    libzmq keeps every frame of a multipart message until the last one arrives, with no bound:
-    MAXMSGSIZE is per frame and high-water marks count whole messages. A peer that never ends a
-    message (2 bytes on the wire per empty frame, ~64 bytes held) fills memory until it hangs up,
-    and libzmq does not say which connection holds it. So the loop asks `over` now and then, and
-    once the process is `budget` bytes past its size at start plus what it `held` on purpose, it
-    closes and binds its sockets again: every connection drops (peers reconnect by themselves; what
-    was in flight is lost, as when a peer restarts) and what they held is freed. Linux only (RSS
-    from /proc); elsewhere it never trips.
-    """
-
-    def __init__(self, budget: int, every_s: float = 0.25):
-        self.budget = budget
-        self.every_s = every_s
-        self.base = rss_bytes()
-        self._next = 0.0
-        self._trim = False
-
-    def over(self, now: float, held) -> bool:
-        """Past the budget? `held()`: bytes kept on purpose (only asked when it may matter)."""
-        if now < self._next or not self.base:
-            return False
-        self._next = now + self.every_s
-        if self._trim:  # the sockets closed a check ago: libzmq has freed their queues by now
-            self._trim = False
-            release_free_memory()
-            self.base = max(self.base, rss_bytes() - held())  # what could not be given back stays
-            return False
-        rss = rss_bytes()
-        return rss > self.base + self.budget and rss > self.base + held() + self.budget
-
-    def reset(self) -> None:
-        """The caller closed and bound its sockets again."""
-        self._trim = True
-
-
-def rss_bytes() -> int:
-    """This process's resident memory (0 where /proc is not there)."""
-    try:
-        with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    except (OSError, ValueError, IndexError):
-        return 0
-
-
-def release_free_memory() -> None:
-    """Give freed heap back to the OS: glibc keeps it (many small frames freed leave RSS as it was)."""
-    try:
-        ctypes.CDLL(None).malloc_trim(0)
-    except (OSError, AttributeError):
-        pass
+def scored_meta(frame: bytes, where: str, limits: Limits = DEFAULT_LIMITS) -> ScoredMeta:
+    """The bookkeeping fields of a valid scored-rollout frame (checked whole by its type, as a learner
+    will decode it); `ProtocolError` naming the field for an invalid one."""
+    s = decode_item(frame, "scored", where, limits)
+    r = s.rollout
+    lo, hi = r.version_range() or (None, None)
+    return ScoredMeta(r.group_id, r.sample_index, r.lease_id, s.failed, lo, s.reward, s.error, hi)
 
 
 class BufferService:
     def __init__(self, cfg: BufferConfig, resume: bool = False):
         self.cfg = cfg
         self.limits = DEFAULT_LIMITS
-        self.warnings = WarnLimiter()
+        self.warnings = WarnLimiter(log)
         self.stopping = False
         prompts = load_prompts(cfg.prompts)
         self.store = (StateStore(cfg.state_dir, cfg.fsync, int(cfg.compact_mb * 1e6))
@@ -253,6 +206,7 @@ class BufferService:
             # two of the biggest messages may be on their way in at once; past that, see MemoryGuard
             self.memory = MemoryGuard(2 * self.limits.max_message_bytes)
         print("buffer ready " + " ".join(f"{k}={v}" for k, v in self.endpoints.items()), flush=True)
+        mark_ready("buffer", **self.endpoints)
         log.info("serving %d prompts x %d epochs, %d groups of %d per step, max_staleness %d",
                  self.state.order.n, self.cfg.max_epochs, self.cfg.prompts_per_step,
                  self.cfg.n_samples_per_prompt, self.cfg.max_staleness)
@@ -287,7 +241,7 @@ class BufferService:
     def _drain(self, sock: zmq.Socket, handle) -> None:
         for _ in range(DRAIN):
             try:
-                frames = sock.recv_multipart(zmq.NOBLOCK)
+                frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
             except zmq.Again:
                 return
             self._guarded(handle, frames)
@@ -301,9 +255,10 @@ class BufferService:
 
     # ---- control: one request, one reply ---------------------------------------------------
 
-    def on_control(self, frames: list[bytes]) -> None:
+    def on_control(self, frames: list[zmq.Frame]) -> None:
+        self.state.counters["requests"] += 1
         identity = frames[0]
-        if len(frames) < 3 or frames[1] != b"":
+        if len(frames) < 3 or len(frames[1]):
             # a DEALER must send [b"", *message], like a REQ socket does
             self._malformed("control", ProtocolError("message", "expected an empty delimiter frame then the message"))
             reply = encode(Error("message: expected an empty delimiter frame then the message", "message"))
@@ -320,9 +275,9 @@ class BufferService:
                 self.warnings.warn("internal", "internal error while serving a request", exc_info=True)
                 reply = encode(Error(f"internal error in the buffer: {type(e).__name__}: {str(e)[:200]}"))
         # a ROUTER never blocks: a reply to a peer past its SNDHWM (it does not read) is dropped
-        self.control.send_multipart([identity, b"", *reply], zmq.NOBLOCK)
+        self.control.send_multipart([identity, b"", *reply], zmq.NOBLOCK, copy=False)
 
-    def handle_request(self, body: Sequence[bytes]) -> list[bytes]:
+    def handle_request(self, body: Sequence) -> list:
         """The reply frames to one request (the frames after the delimiter)."""
         now = time.monotonic()
         kind, _ = decode_envelope(body, self.limits)
@@ -373,7 +328,7 @@ class BufferService:
 
     # ---- scored rollouts -------------------------------------------------------------------
 
-    def on_ingest(self, frames: list[bytes]) -> None:
+    def on_ingest(self, frames: list[zmq.Frame]) -> None:
         try:
             kind, _ = decode_envelope(frames, self.limits)
             if kind != "scored":
@@ -382,7 +337,7 @@ class BufferService:
         except ProtocolError as e:
             self._malformed("ingest", e)
 
-    def take_scored(self, item_frames: Sequence[bytes]) -> tuple[int, int]:
+    def take_scored(self, item_frames: Sequence) -> tuple[int, int]:
         """Check every item of a `scored` message, then hand them to the bookkeeping: a message is
         taken whole or refused whole (ProtocolError), so a bad item never leaves half a message in."""
         n = self.cfg.n_samples_per_prompt
@@ -420,7 +375,7 @@ class BufferService:
         for _ in range(DRAIN):
             if self._relay_pending is None:
                 try:
-                    frames = self.relay_in.recv_multipart(zmq.NOBLOCK)
+                    frames = self.relay_in.recv_multipart(zmq.NOBLOCK, copy=False)
                 except zmq.Again:
                     return
                 try:
@@ -432,7 +387,7 @@ class BufferService:
                     continue
                 self._relay_pending = frames
             try:
-                self.relay_out.send_multipart(self._relay_pending, zmq.NOBLOCK)
+                self.relay_out.send_multipart(self._relay_pending, zmq.NOBLOCK, copy=False)
             except zmq.Again:
                 return
             self.state.counters["relayed"] += 1

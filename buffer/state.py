@@ -1,8 +1,9 @@
-"""The replay buffer's bookkeeping: prompt order, admission control, leases, groups and batches.
+"""The replay buffer's bookkeeping: admission control, leases, groups, batches and resume.
 
 No sockets and no decoding here: `buffer/service.py` turns messages into calls on `BufferState`
 and its return values into replies. The rules that tests check against hand-worked values
-(`admission_limit`, `is_stale`, `share_bounds`) are plain functions at the top.
+(`admission_limit`, `is_stale`, `share_bounds`) are plain functions in `buffer/rules.py`; the
+prompt dataset and its order are `buffer/prompts.py`.
 
 Life of a prompt group k (counted from 0 over the whole run):
 
@@ -21,116 +22,25 @@ that handshake, so no generator works for a lineage that no longer exists.
 from __future__ import annotations
 
 import heapq
-import json
-import random
 from collections import Counter, deque
 from dataclasses import dataclass, field
 
 from buffer.config import BufferConfig
+from buffer.prompts import Prompt, PromptOrder, PromptsError, load_prompts  # noqa: F401 (the last two: re-exported)
 from buffer.protocol import LeaseGrant, PromptGroup, Wait
+from buffer.rules import (
+    QUIET_S,
+    admission_limit,
+    admits,
+    describe_wait,
+    is_stale,
+    share_bounds,
+    share_stats,
+)
 
 LEASE_RETRY_S = 0.1  # what a generator is told to wait when admission or the data holds it back
 BATCH_RETRY_S = 0.02  # a learner waiting for a batch polls faster: it is the critical path
 KEEP_FETCHED_STEPS = 2  # batches kept after every rank fetched them, for a rank whose reply was lost
-
-
-# --------------------------------------------------------------------------------------------
-# the rules
-
-
-def admission_limit(version: int, max_staleness: int, prompts_per_step: int) -> int:
-    """Prompt groups that may be live (issued and not dropped) while the learner is at `version`.
-
-    Steps `version .. version + max_staleness` are the ones a group leased now can end up in
-    without being too old, and each takes `prompts_per_step` groups.
-    """
-    return (version + max_staleness + 1) * prompts_per_step
-
-
-def admits(k_live: int, version: int, max_staleness: int, prompts_per_step: int) -> bool:
-    """May one more new group be leased? `k_live` = groups issued so far minus groups dropped."""
-    return k_live < admission_limit(version, max_staleness, prompts_per_step)
-
-
-def is_stale(min_version: int, step: int, max_staleness: int) -> bool:
-    """A group whose oldest token came from `min_version` may not train step `step`."""
-    return min_version < step - max_staleness
-
-
-def share_bounds(n_groups: int, world_size: int, rank: int) -> tuple[int, int]:
-    """[start, end) of rank `rank`'s whole groups in a step's batch of `n_groups` (divisible by world_size)."""
-    per = n_groups // world_size
-    return rank * per, (rank + 1) * per
-
-
-# --------------------------------------------------------------------------------------------
-# prompts
-
-
-class PromptsError(ValueError):
-    """The prompt dataset cannot be used; the message names the file and line."""
-
-
-@dataclass
-class Prompt:
-    text: str
-    label: str | None
-    index: int  # row of the file (blank lines not counted)
-
-
-def load_prompts(path: str) -> list[Prompt]:
-    """JSONL rows with `prompt` (str) and optional `label` (str or number); other keys are ignored."""
-    if not path:
-        raise PromptsError("buffer.prompts is not set: give a JSONL file of {\"prompt\": ..., \"label\": ...}")
-    try:
-        f = open(path, encoding="utf-8")
-    except OSError as e:
-        raise PromptsError(f"{path}: cannot open the prompt file ({e.strerror})") from None
-    prompts = []
-    with f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            where = f"{path}:{lineno}"
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise PromptsError(f"{where}: not valid JSON ({e.msg})") from None
-            if not isinstance(row, dict):
-                raise PromptsError(f"{where}: expected a JSON object, got {type(row).__name__}")
-            text = row.get("prompt")
-            if not isinstance(text, str):
-                raise PromptsError(f"{where}: `prompt` must be a string, got {text!r}")
-            label = row.get("label")
-            if isinstance(label, (int, float)) and not isinstance(label, bool):
-                label = str(label)
-            if label is not None and not isinstance(label, str):
-                raise PromptsError(f"{where}: `label` must be a string or a number, got {label!r}")
-            prompts.append(Prompt(text, label, len(prompts)))
-    if not prompts:
-        raise PromptsError(f"{path}: no prompts in the file")
-    return prompts
-
-
-class PromptOrder:
-    """Group k -> row of the dataset: epoch k // N, shuffled with `seed + epoch` (file order if seed is None)."""
-
-    def __init__(self, n_prompts: int, seed: int | None, epochs: int):
-        self.n = n_prompts
-        self.seed = seed
-        self.total = n_prompts * epochs  # groups in the whole run
-        self._perms: dict[int, list[int]] = {}
-
-    def row(self, k: int) -> int:
-        epoch, i = divmod(k, self.n)
-        if self.seed is None:
-            return i
-        perm = self._perms.get(epoch)
-        if perm is None:
-            perm = list(range(self.n))
-            random.Random(self.seed + epoch).shuffle(perm)
-            self._perms = {epoch: perm}  # groups are issued in order: one epoch's order is enough
-        return perm[i]
 
 
 # --------------------------------------------------------------------------------------------
@@ -141,7 +51,7 @@ class PromptOrder:
 class Sample:
     """An accepted scored rollout: its wire bytes (served as they came) and what batching needs."""
 
-    frame: bytes
+    frame: bytes  # (or the `zmq.Frame` it came in: anything with the buffer protocol and a len)
     min_version: int  # oldest token's policy version
     reward: float
     max_version: int = -1  # newest token's policy version (-1: none, or not known)
@@ -197,57 +107,6 @@ class RequestError(Exception):
         super().__init__(message)
         self.field = field
         self.message = message
-
-
-def share_stats(groups: list[ReadyGroup], step: int) -> dict[str, float]:
-    """Staleness (versions behind `step`, per rollout) and reward of one rank's share."""
-    samples = [s for g in groups for s in g.samples]
-    stale = [step - s.min_version for s in samples]
-    n = max(len(samples), 1)
-    return {
-        "staleness_min": float(min(stale, default=0)),
-        "staleness_mean": sum(stale) / n,
-        "staleness_max": float(max(stale, default=0)),
-        "reward_mean": sum(s.reward for s in samples) / n,
-        "groups": float(len(groups)),
-        "rollouts": float(len(samples)),
-    }
-
-
-QUIET_S = 30.0  # a producer silent this long is named in a diagnosis
-
-
-def describe_wait(m: dict[str, float]) -> str:
-    """Why no batch is ready, from the buffer's metrics: what a waiting learner and a stall report say."""
-    if m.get("buffer/awaiting_resume"):
-        return ("the buffer was restored from disk and waits for the learner to say which checkpoint it "
-                "resumed from")
-    parts = []
-    live, limit, version = m["buffer/live_groups"], m["buffer/admission_limit"], m["buffer/version"]
-    if m["buffer/issued_groups"] >= m["buffer/total_groups"] and not m["buffer/requeued_groups"]:
-        parts.append(f"every one of the {m['buffer/total_groups']:.0f} groups of the data has been issued")
-    elif live >= limit:
-        parts.append(f"admission limit reached at version {version:.0f} ({live:.0f} live groups, limit {limit:.0f})")
-    since = m.get("buffer/since_lease_request_s", -1.0)
-    if since < 0:
-        parts.append("no generator has asked for a lease yet")
-    elif since > QUIET_S:
-        parts.append(f"no generator has asked for a lease for {since:.0f}s")
-    if m.get("buffer/refused_old_weights_recent"):
-        parts.append("a generator with weights older than max_staleness allows was refused a lease (it must "
-                     "load the learner's weights first)")
-    parts.append(f"groups: {m['buffer/queued_groups']:.0f} queued of {m['buffer/prompts_per_step']:.0f} per "
-                 f"step, {m['buffer/leased_groups']:.0f} leased ({m['buffer/partial_groups']:.0f} partly "
-                 f"scored), {m['buffer/requeued_groups']:.0f} to issue again")
-    quiet = m.get("buffer/quietest_lease_s", -1.0)
-    if quiet > 0.5 * m.get("buffer/lease_ttl_s", 60.0):  # generators renew every third of the ttl
-        parts.append(f"a lease has not been renewed for {quiet:.0f}s (its generator may be stuck; it expires "
-                     f"after buffer.lease_ttl_s)")
-    scored = m.get("buffer/since_scored_s", -1.0)
-    if m["buffer/leased_groups"] and (scored < 0 or scored > QUIET_S):
-        parts.append("no scored rollout has arrived yet" if scored < 0 else
-                     f"no scored rollout for {scored:.0f}s (are the scorers up?)")
-    return "; ".join(parts)
 
 
 class BufferState:

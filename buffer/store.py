@@ -220,7 +220,7 @@ class StateStore:
     def lease(self, lease_id: int, group_ids: list[int]) -> None:
         self._append(["lease", lease_id, group_ids])
 
-    def group(self, group_id: int, frames: list[bytes]) -> None:
+    def group(self, group_id: int, frames: list) -> None:
         self._append(["group", group_id, frames])
 
     def served(self, step: int, group_ids: list[int]) -> None:
@@ -258,4 +258,5 @@ class StateStore:
 
 
 def _pack(rec: list) -> bytes:
-    return msgpack.packb(rec, use_bin_type=True)
+    # frames are kept as received (`zmq.Frame`s): anything with the buffer protocol is written as bin
+    return msgpack.packb(rec, use_bin_type=True, default=memoryview)

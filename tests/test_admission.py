@@ -7,18 +7,9 @@ import pytest
 
 from buffer.config import BufferConfig
 from buffer.protocol import LeaseGrant, Wait
-from buffer.state import (
-    BufferState,
-    PromptOrder,
-    PromptsError,
-    RequestError,
-    Sample,
-    admission_limit,
-    admits,
-    is_stale,
-    load_prompts,
-    share_bounds,
-)
+from buffer.prompts import PromptOrder, PromptsError, load_prompts
+from buffer.rules import admission_limit, admits, is_stale, share_bounds
+from buffer.state import BufferState, RequestError, Sample
 from buffer.store import StateStore
 
 # ---- the rules --------------------------------------------------------------------------------

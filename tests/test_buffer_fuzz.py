@@ -1,8 +1,8 @@
-"""Fuzzing: random and mutated bytes against `decode`, the buffer's fast scored-frame check, and a live
-buffer's control and ingest sockets. Seeded, so a failure reproduces.
+"""Fuzzing: random and mutated bytes against `decode`, the buffer's per-frame check of scored rollouts
+(`scored_meta`), and a live buffer's control and ingest sockets. Seeded, so a failure reproduces.
 
-What must hold: `decode` raises nothing but `ProtocolError`; the fast check never accepts a frame
-that `decode_item` refuses; the live buffer answers every control message (an `Error` for the bad
+What must hold: `decode` raises nothing but `ProtocolError`; the buffer's check never accepts a
+frame that `decode_item` refuses, nor refuses one it accepts; the live buffer answers every control message (an `Error` for the bad
 ones), keeps serving, and every valid group pushed before and during the fuzz is served to the
 learner byte for byte.
 """
@@ -14,7 +14,6 @@ import msgpack
 import numpy as np
 import zmq
 
-from buffer.ingest import scored_meta
 from buffer.protocol import (
     DEFAULT_LIMITS,
     Ack,
@@ -38,6 +37,7 @@ from buffer.protocol import (
     encode,
     encode_item,
 )
+from buffer.service import scored_meta
 try:  # tests/ is on sys.path under pytest's default import mode; a package if it ever gets an __init__
     from test_buffer_live import group_ids, scored, start_buffer
 except ImportError:
@@ -111,7 +111,7 @@ def test_decode_raises_only_protocol_error():
     assert outcomes["ok"] > 100 and outcomes["refused"] > 3000
 
 
-def test_fast_check_never_accepts_what_decode_refuses():
+def test_the_buffers_check_never_accepts_what_decode_refuses():
     rng = random.Random(99)
     s = ScoredMsg([scored(3, 1, 5, t=8)])
     item = encode(s)[1]

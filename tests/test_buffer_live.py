@@ -7,7 +7,6 @@ takes a fraction of a second.
 
 import json
 import os
-import select
 import signal
 import subprocess
 import sys
@@ -19,6 +18,7 @@ import pytest
 import zmq
 
 from buffer.client import BufferClient, BufferDone, BufferError, ResumeNeeded
+from buffer.store import StateStore
 from buffer.protocol import (
     Ack,
     BatchRequest,
@@ -30,6 +30,8 @@ from buffer.protocol import (
     decode,
     encode,
 )
+from common.ready import ENV as READY_ENV
+from common.ready import read_ready
 from launch.ports import free_port_block as free_base_port
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -41,7 +43,7 @@ ROOT = Path(__file__).resolve().parent.parent
 class BufferProc:
     """A running `python -m launch.buffer`; `stop()` sends SIGTERM and returns the exit code."""
 
-    def __init__(self, proc: subprocess.Popen, port: int, log: Path, ready: str):
+    def __init__(self, proc: subprocess.Popen, port: int, log: Path, ready: dict):
         self.proc, self.port, self.log, self.ready = proc, port, log, ready
 
     def client(self, timeout_s: float = 10.0) -> BufferClient:
@@ -63,7 +65,7 @@ def write_prompts(path: Path, n: int) -> Path:
 
 
 def start_buffer(tmp_path: Path, n_prompts: int = 64, extra: tuple = (), **cfg) -> BufferProc:
-    """Start a buffer with `--buffer.KEY VALUE` for each of `cfg`; wait for its ready line."""
+    """Start a buffer with `--buffer.KEY VALUE` for each of `cfg`; wait for its ready file."""
     prompts = tmp_path / "prompts.jsonl"
     if not prompts.exists():
         write_prompts(prompts, n_prompts)
@@ -71,21 +73,21 @@ def start_buffer(tmp_path: Path, n_prompts: int = 64, extra: tuple = (), **cfg) 
     for attempt in range(3):  # another process may take the ports between the check and the bind
         port = free_base_port(4)
         log = tmp_path / f"buffer-{port}.log"
+        ready = tmp_path / f"buffer-{port}.ready"
         args = [a for k, v in cfg.items() for a in (f"--buffer.{k}", str(v))]
         proc = subprocess.Popen([sys.executable, "-m", "launch.buffer", "--buffer.port", str(port), *args, *extra],
-                                cwd=ROOT, stdout=subprocess.PIPE, stderr=open(log, "w"), text=True,
-                                env={**os.environ, "PYTHONPATH": str(ROOT)})
+                                cwd=ROOT, stdout=subprocess.DEVNULL, stderr=open(log, "w"), text=True,
+                                env={**os.environ, "PYTHONPATH": str(ROOT), READY_ENV: str(ready)})
         deadline = time.monotonic() + 30
-        while time.monotonic() < deadline:
-            if select.select([proc.stdout], [], [], 0.1)[0]:
-                line = proc.stdout.readline()
-                if line.startswith("buffer ready"):
-                    return BufferProc(proc, port, log, line)
-                if not line:
-                    break
-        proc.kill()
+        while time.monotonic() < deadline and proc.poll() is None:
+            record = read_ready(ready)
+            if record is not None:
+                return BufferProc(proc, port, log, record)
+            time.sleep(0.02)
+        if proc.poll() is None:
+            proc.kill()
         proc.wait()
-        if "cannot bind" not in log.read_text():
+        if proc.returncode != 1:  # 1: a port was taken (try others); anything else is a failure
             raise RuntimeError(f"buffer did not start:\n{log.read_text()}")
     raise RuntimeError("buffer could not bind after 3 tries")
 
@@ -121,11 +123,13 @@ def buffer(tmp_path_factory):
     assert b.stop() == 0
 
 
-def test_ready_line_names_the_endpoints(buffer):
+def test_ready_file_names_the_endpoints(buffer):
     p = buffer.port
-    assert f"control=tcp://127.0.0.1:{p} " in buffer.ready
-    assert f"ingest=tcp://127.0.0.1:{p + 1} " in buffer.ready
-    assert f"relay_out=tcp://127.0.0.1:{p + 3}" in buffer.ready
+    assert buffer.ready["role"] == "buffer" and buffer.ready["pid"] == buffer.proc.pid
+    assert buffer.ready["control"] == f"tcp://127.0.0.1:{p}"
+    assert buffer.ready["ingest"] == f"tcp://127.0.0.1:{p + 1}"
+    assert buffer.ready["relay_in"] == f"tcp://127.0.0.1:{p + 2}"
+    assert buffer.ready["relay_out"] == f"tcp://127.0.0.1:{p + 3}"
 
 
 def test_metrics_report_every_counter(buffer):
@@ -358,8 +362,9 @@ def test_sigterm_writes_state_and_a_restart_resumes(tmp_path):
                          "--buffer.port", str(free_base_port(4)), "--buffer.state_dir", str(state))
     assert other.returncode == 2 and "in use by another buffer" in other.stderr
     assert b.stop() == 0  # SIGTERM: state written, exit 0
-    assert (state / "buffer.log").stat().st_size > 0
-    assert "state written" in b.log.read_text()
+    saved = StateStore.read(state / "buffer.log")  # what SIGTERM wrote
+    assert sorted(saved.groups) == [2] and saved.open_groups == [3] and saved.version == 1
+    assert saved.counters["accepted_groups"] == 3 and saved.bad_records == 0
 
     b2 = start_buffer(tmp_path, extra=("--resume",), **cfg)
     try:

@@ -11,7 +11,8 @@ import msgpack
 import pytest
 
 from buffer.protocol import Wait
-from buffer.state import RequestError, Sample, describe_wait
+from buffer.rules import describe_wait
+from buffer.state import RequestError, Sample
 from buffer.store import StateStore
 from test_admission import complete, make_state
 
