@@ -26,6 +26,7 @@ from actors.config import ScorerConfig
 from actors.rewards import RemoteReward, RewardFn, RewardModel, Score
 from buffer.client import BufferClient
 from buffer.protocol import LOGPROB_DTYPE, ProtocolError, Rollout, ScoredRollout
+from common.ready import mark_ready
 
 log = logging.getLogger("conveyor.scorer")
 
@@ -159,6 +160,7 @@ def run_scorer(cfg: ScorerConfig, stop: threading.Event | None = None) -> int:
     scorer = Scorer(cfg)
     client = BufferClient(cfg.buffer_host, cfg.buffer_port)
     log.info("%s ready: %s, buffer %s:%d", worker_id, ", ".join(cfg.kinds), cfg.buffer_host, cfg.buffer_port)
+    mark_ready("scorer", worker_id=worker_id)
     bad_messages = 0
     t_log, last_scored, busy_s = time.monotonic(), 0, 0.0
     try:
