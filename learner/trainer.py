@@ -437,11 +437,12 @@ def weight_sender(cfg: LearnerConfig, weight_sync=None):
     """Rank 0's sender to the weight-sync service at cfg's address; `weight_sync` (the run's section)
     sets its other knobs. The learner's own address and timeout win over the section's (they may be
     overridden)."""
-    from weight_sync.config import WeightSyncConfig
     from weight_sync.sender import WeightSender
 
-    return WeightSender.from_config(weight_sync or WeightSyncConfig(), host=cfg.weight_sync_host,
-                                    port=cfg.weight_sync_port, timeout_s=cfg.weight_sync_timeout_s)
+    if weight_sync is None:
+        return WeightSender(cfg.weight_sync_host, cfg.weight_sync_port, cfg.weight_sync_timeout_s)
+    return WeightSender.from_config(weight_sync, host=cfg.weight_sync_host, port=cfg.weight_sync_port,
+                                    timeout_s=cfg.weight_sync_timeout_s)
 
 
 def checkpoint(cfg: LearnerConfig, step: int, policy, critic, ledger: Ledger | None) -> None:

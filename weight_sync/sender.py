@@ -78,11 +78,11 @@ class WeightSender:
     def __init__(self, cfg: WeightSyncConfig | str = "127.0.0.1", port: int | None = None,
                  timeout_s: float | None = None, *, sender_id: str = "learner0", context=None, **fields):
         """`cfg`: the `weight_sync:` section (its sender fields: backend, bucket_mb, join_timeout_s,
-        keep_latest, serve_in_background, ...), with `fields` changed; or the service's host,
-        then `port`, `timeout_s` and `fields` change the section's defaults."""
+        keep_latest, serve_in_background, ...), or the service's host for a section of defaults;
+        `port`, `timeout_s` and `fields` change it."""
         if isinstance(cfg, str):
             cfg = WeightSyncConfig(host=cfg)
-            fields.update({k: v for k, v in (("port", port), ("timeout_s", timeout_s)) if v is not None})
+        fields.update({k: v for k, v in (("port", port), ("timeout_s", timeout_s)) if v is not None})
         cfg = _with(cfg, **fields)
         backend = cfg.backend
         if backend == "auto":
