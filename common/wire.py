@@ -105,13 +105,3 @@ def pack_array(a: Any, dtype: np.dtype) -> bytes:
     if hasattr(a, "detach"):  # torch tensor, without importing torch here
         a = a.detach().cpu().numpy()
     return np.ascontiguousarray(a, dtype=dtype).tobytes()
-
-
-def unpack_array(v: Any, dtype: np.dtype, field: str, max_len: int) -> np.ndarray:
-    """A read-only view of packed bytes as `dtype`, checked for length; raises `ProtocolError`."""
-    n = v.nbytes if isinstance(v, memoryview) else len(v)
-    if n % dtype.itemsize:
-        raise ProtocolError(field, f"{n} bytes is not a whole number of {dtype.str} values")
-    if n // dtype.itemsize > max_len:
-        raise ProtocolError(field, f"{n // dtype.itemsize} values > limit {max_len}")
-    return np.frombuffer(v, dtype=dtype)
