@@ -457,7 +457,8 @@ class BufferState:
         for name in ("accepted_groups", "accepted_rollouts", "dropped_stale", "dropped_overflow",
                      "failed_groups", "late", "duplicates", "malformed", "reissued", "expired_leases",
                      "leases", "served_groups", "served_rollouts", "relayed", "internal_errors", "resumes",
-                     "reissued_after_resume", "future_rollouts", "refused_old_weights", "refused_future_weights"):
+                     "reissued_after_resume", "future_rollouts", "refused_old_weights", "refused_future_weights",
+                     "memory_resets"):
             m[f"buffer/{name}"] = c[name]
         for name, v in c.items():
             m.setdefault(f"buffer/{name}", v)
