@@ -151,6 +151,16 @@ class ScorerConfig(BufferAddress):
     reference: str = ""
     """The frozen reference model's folder (usually the policy's initial weights)."""
 
+    overlong_buffer_len: int = Field(0, ge=0)
+    """DAPO's soft overlong punishment: a completion longer than max_new_tokens - overlong_buffer_len
+    gets a penalty growing linearly to overlong_penalty_factor at max_new_tokens (the reward
+    component `overlong`, <= 0); 0: off."""
+    overlong_penalty_factor: float = Field(1.0, ge=0, allow_inf_nan=False)
+    """The penalty at the length limit."""
+    max_new_tokens: int = Field(128, ge=1)
+    """The generators' completion limit the overlong punishment counts from (taken from the
+    `generator:` section unless set here)."""
+
     dtype: Dtype = "float32"
     """Dtype the reward and reference models are loaded in."""
     device: str = "cpu"
@@ -183,6 +193,12 @@ class ScorerConfig(BufferAddress):
         if url and not url.startswith(("http://", "https://")):
             raise ValueError("must start with http:// or https://")
         return url
+
+    def problems(self) -> list[str]:
+        if self.overlong_buffer_len >= self.max_new_tokens:
+            return [f"scorer.overlong_buffer_len={self.overlong_buffer_len} must be < max_new_tokens="
+                    f"{self.max_new_tokens}"]
+        return []
 
     def missing(self) -> list[str]:
         needs = {"reward_fn": ("reward_fn", self.reward_fn), "reward_model": ("reward_model", self.reward_model),

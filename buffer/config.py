@@ -49,6 +49,18 @@ class BufferConfig(Section):
     compact_mb: float = Field(64.0, gt=0)
     """Rewrite the state log while running once it has grown by this many MB (and by more than its
     size after the last rewrite): disk use follows what is in flight, not the run's length."""
+    dynamic_filtering: bool = False
+    """DAPO's dynamic sampling: a complete group whose rewards carry no signal (all equal, or a mean
+    outside dynamic_filtering_range) is filtered (counted in `buffer/filtered`, recorded as dropped
+    with reason `filtered`) and a replacement prompt is leased in its place, so every step still
+    trains prompts_per_step informative groups."""
+    dynamic_filtering_range: list[float] | None = None
+    """With dynamic_filtering: also filter a group unless low < its mean reward < high (OpenRLHF's
+    `--dynamic_filtering_reward_range`); None: only groups whose rewards are all equal."""
+    dynamic_filtering_max_rounds: int = Field(10, ge=1)
+    """Cap on replacement prompts: at most this many times prompts_per_step groups are filtered per
+    learner step; past it the buffer stops filtering for that step, says so in the log and counts
+    `buffer/filter_cap_hits` (a task the policy always or never solves cannot spin for ever)."""
     log_level: Literal["debug", "info", "warning", "error"] = "info"
     """Logging level of the buffer process: debug (a line per lease and batch), info, warning."""
 
@@ -66,11 +78,22 @@ class BufferConfig(Section):
             raise ValueError("must be never, batch, record or a number of seconds > 0") from None
         return str(v)
 
+    @field_validator("dynamic_filtering_range")
+    @classmethod
+    def _range(cls, r: list[float] | None) -> list[float] | None:
+        if r is not None and (len(r) != 2 or not r[0] < r[1]):
+            raise ValueError("must be two numbers [low, high] with low < high")
+        return r
+
     def problems(self) -> list[str]:
+        errs = []
         if self.max_queued_groups < self.prompts_per_step:
-            return [f"buffer.max_queued_groups={self.max_queued_groups} must be >= "
-                    f"buffer.prompts_per_step={self.prompts_per_step} (a step's batch must fit)"]
-        return []
+            errs.append(f"buffer.max_queued_groups={self.max_queued_groups} must be >= "
+                        f"buffer.prompts_per_step={self.prompts_per_step} (a step's batch must fit)")
+        if self.dynamic_filtering and self.n_samples_per_prompt < 2:
+            errs.append("buffer.dynamic_filtering needs n_samples_per_prompt >= 2 (a group of one sample "
+                        "always has equal rewards)")
+        return errs
 
     @property
     def endpoint(self) -> Endpoint:

@@ -301,7 +301,8 @@ def renames(**flags: str | tuple[str, ...]) -> dict[str, Alias]:
 
 
 def parse_overrides(argv: Sequence[str]) -> dict[str, str]:
-    """`--a.b 1 --c=2 --flag` -> {"a.b": "1", "c": "2", "flag": "true"} (dashes in keys read as _)."""
+    """`--a.b 1 --c=2 --flag --d 3 4` -> {"a.b": "1", "c": "2", "flag": "true", "d": "3,4"} (dashes
+    in keys read as _; several values are joined by commas, as a list field reads them)."""
     out: dict[str, str] = {}
     argv = list(argv)
     i = 0
@@ -313,8 +314,11 @@ def parse_overrides(argv: Sequence[str]) -> dict[str, str]:
         if "=" in key:
             key, value = key.split("=", 1)
         elif i + 1 < len(argv) and not argv[i + 1].startswith("--"):
-            value = argv[i + 1]
-            i += 1
+            values = []  # several values (argparse's nargs, `--target_modules q_proj v_proj`): a list
+            while i + 1 < len(argv) and not argv[i + 1].startswith("--"):
+                values.append(argv[i + 1])
+                i += 1
+            value = ",".join(values)
         else:
             value = "true"
         out[key.replace("-", "_")] = value
@@ -385,7 +389,7 @@ def apply_flags(tree: dict, argv: Sequence[str] | Mapping[str, Any], sections: M
     extra: dict[str, Any] = {}
     for key, value in flags.items():
         head, dot, _ = key.partition(".")
-        if dot:
+        if dot and key not in aliases:
             if head not in sections:
                 raise ConfigError(f"--{key}: unknown section {head!r}{suggest(head, list(sections))}")
             set_dotted(tree, key, value)

@@ -111,6 +111,20 @@ ALIASES: dict[str, Alias] = {
     "rollout_batch_size": Alias(("buffer.prompts_per_step", "extra.rollout_batch_size")),
     "advantage_estimator": Alias(("learner.advantage_estimator",), _estimator),
     "bf16": Alias(("learner.dtype",), bf16),
+    # recipes (DAPO, LoRA, packing): OpenRLHF 0.11's flags and 0.11.2's dotted ones
+    **renames(packing_samples="learner.packing", lora_rank="learner.lora_rank", lora_alpha="learner.lora_alpha",
+              lora_dropout="learner.lora_dropout", target_modules="learner.lora_target_modules",
+              dynamic_filtering="buffer.dynamic_filtering",
+              dynamic_filtering_reward_range="buffer.dynamic_filtering_range",
+              overlong_buffer_len="scorer.overlong_buffer_len",
+              overlong_penalty_factor="scorer.overlong_penalty_factor"),
+    **renames(**{"ds.packing_samples": "learner.packing", "ds.lora.rank": "learner.lora_rank",
+                 "ds.lora.alpha": "learner.lora_alpha", "ds.lora.dropout": "learner.lora_dropout",
+                 "ds.lora.target_modules": "learner.lora_target_modules",
+                 "algo.dynamic_filtering_enable": "buffer.dynamic_filtering",
+                 "algo.dynamic_filtering_range": "buffer.dynamic_filtering_range",
+                 "reward.overlong_buffer_len": "scorer.overlong_buffer_len",
+                 "reward.overlong_penalty_factor": "scorer.overlong_penalty_factor"}),
 }
 
 
@@ -206,6 +220,8 @@ def finish(run: Run, explicit: dict | None = None) -> None:
     if not b.state_dir:
         b.state_dir = str(Path(r.run_dir) / "buffer_state")
     tie_addresses((g, s, l), b, w)
+    if not is_set(explicit, "scorer.max_new_tokens"):
+        s.max_new_tokens = g.max_new_tokens
     if not is_set(explicit, "learner.temperature"):
         l.temperature = g.temperature if g.temperature > 0 else 1.0
     if l.kl_coef > 0 and not s.reference:

@@ -66,6 +66,20 @@ class OptimConfig(Section):
     wandb_project: str = ""
     """Also log to Weights & Biases under this project when wandb is installed; empty: off."""
 
+    # ---- LoRA (peft) -----------------------------------------------------------------------------
+    lora_rank: int = Field(0, ge=0)
+    """Train LoRA adapters of this rank instead of the full weights (peft); 0: full fine-tuning."""
+    lora_alpha: int = Field(16, ge=1)
+    """LoRA scaling numerator: the adapter's update is scaled by lora_alpha / lora_rank."""
+    lora_dropout: float = Field(0.0, ge=0, lt=1)
+    """Dropout on the adapter's input."""
+    lora_target_modules: list[str] = Field(default_factory=lambda: ["all-linear"])
+    """Module names that get adapters (e.g. `q_proj`, `v_proj`), or `all-linear` (every linear layer
+    but the output head)."""
+    lora_save_merged: bool = False
+    """Checkpoints also hold the merged model (base + adapter) as a plain HF folder, besides the
+    adapter in peft's format."""
+
     @field_validator("adam_betas")
     @classmethod
     def _betas(cls, betas: list[float]) -> list[float]:
@@ -145,6 +159,14 @@ class LearnerConfig(OptimConfig, WeightSyncAddress, BufferAddress):
     """Apply the KL as a loss term (on the current pi) or fold it into the reward (on pi_old)."""
     entropy_coef: float = Field(0.0, ge=0)
     """Entropy bonus weight (the loss subtracts entropy_coef * mean entropy); 0: not computed."""
+
+    # ---- DAPO overlong filtering and packed batches ----------------------------------------------
+    overlong_filter: bool = False
+    """DAPO's overlong filtering: completions cut off at the length limit (finish_reason `length`)
+    are masked out of the loss (they still count in the reward statistics)."""
+    packing: bool = False
+    """Pack each micro-batch's sequences into one row without padding (position ids restart per
+    sequence, attention stays within it) for the policy and the critic; OpenRLHF's packing_samples."""
 
     # ---- optimisation -------------------------------------------------------------------------
     ppo_epochs: int = Field(1, ge=1)
