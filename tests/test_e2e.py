@@ -219,3 +219,30 @@ def test_openrlhf_flags_map_to_sections(tmp_path):
     # every role dials the same buffer and weight-sync addresses
     assert run.generator.buffer_port == run.scorer.buffer_port == run.learner.buffer_port == run.buffer.port
     assert run.generator.weight_sync_port == run.learner.weight_sync_port == run.weight_sync.port
+
+
+def test_openrlhf_recipe_flags_old_and_dotted_map_to_the_same_keys(tmp_path):
+    from launch.config import ConfigError
+    from launch.run_config import load_run_config
+
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"prompt": "1+1=", "label": "2"}\n')
+    base = ["--pretrain", str(tmp_path), "--prompt_data", str(prompts), "--generate_max_len", "64"]
+    old = load_run_config(DEMO_YAML, base + [
+        "--dynamic_filtering", "--dynamic_filtering_reward_range", "0", "1", "--lora_rank", "8", "--lora_alpha", "32",
+        "--target_modules", "q_proj", "v_proj", "--overlong_buffer_len", "16", "--overlong_penalty_factor", "0.5",
+        "--packing_samples"])
+    dotted = load_run_config(DEMO_YAML, base + [
+        "--algo.dynamic_filtering_enable", "--algo.dynamic_filtering_range", "0", "1", "--ds.lora.rank", "8",
+        "--ds.lora.alpha", "32", "--ds.lora.target_modules", "q_proj", "v_proj", "--reward.overlong_buffer_len",
+        "16", "--reward.overlong_penalty_factor", "0.5", "--ds.packing_samples"])
+    for run in (old, dotted):
+        assert run.buffer.dynamic_filtering and run.buffer.dynamic_filtering_range == [0.0, 1.0]
+        assert run.learner.lora_rank == 8 and run.learner.lora_alpha == 32
+        assert run.learner.lora_target_modules == ["q_proj", "v_proj"] and run.learner.packing
+        assert run.scorer.overlong_buffer_len == 16 and run.scorer.overlong_penalty_factor == 0.5
+        assert run.scorer.max_new_tokens == 64  # the penalty counts from the generators' limit
+    with pytest.raises(ConfigError, match="overlong_buffer_len=64 must be < max_new_tokens=64"):
+        load_run_config(DEMO_YAML, base + ["--overlong_buffer_len", "64"])
+    with pytest.raises(ConfigError, match="dynamic_filtering_range"):
+        load_run_config(DEMO_YAML, base + ["--dynamic_filtering_reward_range", "1", "0"])
