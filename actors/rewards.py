@@ -1,4 +1,5 @@
-"""Reward components a scorer combines: a Python reward function, a reward model, a remote HTTP reward.
+"""Reward components a scorer combines: a Python reward function, a reward model, a remote HTTP reward,
+and DAPO's soft overlong punishment (`overlong_penalty`, a function of the completion's length).
 
 Each has `name` and `score(rollouts) -> list[Score]`, one per rollout. A component never raises for
 bad input or a bad reward: the samples it cannot score get `Score(None, why)`, the scorer marks them
@@ -65,6 +66,15 @@ def check_rewards(raw, n: int, source: str) -> list[Score]:
         else:
             out.append(Score(float(x)))
     return out
+
+
+def overlong_penalty(n_tokens: int, max_new_tokens: int, buffer_len: int, factor: float) -> float:
+    """DAPO's soft overlong punishment (<= 0): nothing up to max_new_tokens - buffer_len tokens, then
+    falling linearly to -factor at max_new_tokens (and staying there past it). buffer_len 0: off."""
+    exceed = n_tokens - (max_new_tokens - buffer_len)
+    if buffer_len <= 0 or exceed <= 0:
+        return 0.0
+    return -min(exceed / buffer_len, 1.0) * factor
 
 
 class RewardFn:

@@ -2,11 +2,13 @@
 
 `Scorer.score` does the work for one message of rollouts: every configured reward component scores
 every rollout (`scores[name]`), `reward` is their weighted sum, and a reference model adds
-`ref_logprobs`. A sample any component failed on is sent with `failed=True` and the reasons in
-`error`: the buffer drops its group and counts it, so a bad reward function never stalls a run. The
-reward function runs in a worker process (actors/rewards.py): one that hangs past
-`scorer.reward_fn_timeout_s` or crashes fails its message's samples and is restarted.
-Several scorer processes may run side by side; the relay deals messages out round-robin.
+`ref_logprobs`. With `scorer.overlong_buffer_len` > 0, DAPO's soft overlong punishment is one more
+component, `scores["overlong"]` (weight 1). A sample any component failed on is sent with
+`failed=True` and the reasons in `error`: the buffer drops its group and counts it, so a bad reward
+function never stalls a run. The reward function runs in a worker process (actors/rewards.py): one
+that hangs past `scorer.reward_fn_timeout_s` or crashes fails its message's samples and is restarted.
+Several scorer processes may run side by side; the relay deals each message to one of them, and
+every one runs the same components, so each sample's reward holds each component (overlong too) once.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from typing import Sequence
 import numpy as np
 
 from actors.config import ScorerConfig
-from actors.rewards import RemoteReward, RewardFn, RewardModel, Score
+from actors.rewards import RemoteReward, RewardFn, RewardModel, Score, overlong_penalty
 from buffer.client import BufferClient
 from buffer.protocol import LOGPROB_DTYPE, ProtocolError, Rollout, ScoredRollout
 from common.ready import mark_ready
@@ -94,6 +96,9 @@ class Scorer:
                 self.reference = Reference(cfg.reference, cfg.dtype, cfg.device, cfg.batch_size)
             else:
                 raise ValueError(f"scorer.kinds: unknown kind {kind!r}")
+        # (max_new_tokens, overlong_buffer_len, overlong_penalty_factor); None: no overlong punishment
+        self.overlong = ((cfg.max_new_tokens, cfg.overlong_buffer_len, cfg.overlong_penalty_factor)
+                         if cfg.overlong_buffer_len > 0 else None)
         self.limited = RateLimitedLog(cfg.log_every_s)
         self.failures = Counter()  # by component name
         self.scored = 0
@@ -141,7 +146,9 @@ class Scorer:
                     self.limited.warn(name, f"group {r.group_id} sample {r.sample_index}: {name}: {s.error}")
                 elif name != "reference":
                     scores[name] = s.value
-            reward = 0.0 if errors else sum(w * scores[c.name] for c, w in self.parts)
+            if self.overlong is not None:
+                scores["overlong"] = overlong_penalty(len(r.completion_ids), *self.overlong)
+            reward = 0.0 if errors else sum(w * scores[c.name] for c, w in self.parts) + scores.get("overlong", 0.0)
             out.append(ScoredRollout(r, reward=reward, scores=scores, ref_logprobs=ref[i],
                                      failed=bool(errors), error="; ".join(errors)))
         self.scored += n

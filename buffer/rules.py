@@ -1,7 +1,8 @@
-"""The replay buffer's rules, as plain functions: admission control, the stale-drop rule, how a
-step's batch is split between learner ranks, a share's statistics, and the diagnosis a waiting
-learner is given. `tests/test_admission.py` checks them against values worked out by hand;
-`buffer/state.py` applies them.
+"""The replay buffer's rules, as plain functions: admission control, the stale-drop rule, DAPO's
+dynamic-sampling rule, how a step's batch is split between learner ranks, a share's statistics,
+and the diagnosis a waiting learner is given. `tests/test_admission.py` and
+`tests/test_dynamic_sampling.py` check them against values worked out by hand; `buffer/state.py`
+applies them.
 """
 
 from __future__ import annotations
@@ -9,7 +10,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from buffer.state import ReadyGroup
+    from buffer.groups import ReadyGroup
 
 
 def admission_limit(version: int, max_staleness: int, prompts_per_step: int) -> int:
@@ -29,6 +30,40 @@ def admits(k_live: int, version: int, max_staleness: int, prompts_per_step: int)
 def is_stale(min_version: int, step: int, max_staleness: int) -> bool:
     """A group whose oldest token came from `min_version` may not train step `step`."""
     return min_version < step - max_staleness
+
+
+REWARD_TOL = 1e-6  # rewards this close (relative to their size, at least 1) count as equal
+
+
+def no_signal(rewards: list[float], reward_range: list[float] | None = None) -> bool:
+    """A group whose rewards teach nothing: all equal (every group-relative advantage is 0) or, with
+    `reward_range` [low, high], a mean reward not strictly inside (low, high) (OpenRLHF's rule)."""
+    lo, hi = min(rewards), max(rewards)
+    if hi - lo <= REWARD_TOL * max(1.0, abs(lo), abs(hi)):
+        return True
+    if reward_range is not None:
+        mean = sum(rewards) / len(rewards)
+        return not reward_range[0] < mean < reward_range[1]
+    return False
+
+
+def filter_verdict(rewards: list[float], reward_range: list[float] | None, filtered_now: int, cap: int) -> str:
+    """What dynamic sampling does with a complete group, `cap` groups allowed per learner version of
+    which `filtered_now` are used (cap 0: it is off): keep (the rewards differ), filter, or, for a
+    group with no signal, `off` or `capped` (kept: the budget of this version is spent)."""
+    if not no_signal(rewards, reward_range):
+        return "keep"
+    if not cap:
+        return "off"
+    return "filter" if filtered_now < cap else "capped"
+
+
+def cap_message(filtered: int, version: int, max_rounds: int, prompts_per_step: int) -> str:
+    """The warning said once per version at which dynamic sampling's cap is reached."""
+    return (f"dynamic sampling: {filtered} groups with no reward signal filtered at version {version}, the cap "
+            f"(buffer.dynamic_filtering_max_rounds={max_rounds} x prompts_per_step={prompts_per_step}); groups "
+            f"pass unfiltered until the learner's version moves. The policy solves (or fails) nearly every "
+            f"prompt: raise buffer.dynamic_filtering_max_rounds, or change the prompts")
 
 
 def share_bounds(n_groups: int, world_size: int, rank: int) -> tuple[int, int]:
@@ -66,6 +101,12 @@ def describe_wait(m: dict[str, float]) -> str:
         parts.append(f"every one of the {m['buffer/total_groups']:.0f} groups of the data has been issued")
     elif live >= limit:
         parts.append(f"admission limit reached at version {version:.0f} ({live:.0f} live groups, limit {limit:.0f})")
+    filtered = m.get("buffer/filtered_this_version", 0.0)
+    if filtered:
+        cap = m.get("buffer/filter_cap", 0.0)
+        parts.append(f"dynamic sampling filtered {filtered:.0f} groups with no reward signal at version "
+                     f"{version:.0f} and leases replacements ({m.get('buffer/filter_pass_rate', 1.0):.0%} of "
+                     f"groups pass; at most {cap:.0f} are filtered per step, buffer.dynamic_filtering_max_rounds)")
     since = m.get("buffer/since_lease_request_s", -1.0)
     if since < 0:
         parts.append("no generator has asked for a lease yet")

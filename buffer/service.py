@@ -54,7 +54,8 @@ from buffer.protocol import (
     short,
 )
 from buffer.prompts import load_prompts
-from buffer.state import BufferState, RequestError, Sample
+from buffer.groups import RequestError, Sample
+from buffer.state import BufferState
 from buffer.store import StateStore
 from common.guards import MemoryGuard, WarnLimiter, rss_bytes
 from common.ready import mark_ready
@@ -207,9 +208,11 @@ class BufferService:
             self.memory = MemoryGuard(2 * self.limits.max_message_bytes)
         print("buffer ready " + " ".join(f"{k}={v}" for k, v in self.endpoints.items()), flush=True)
         mark_ready("buffer", **self.endpoints)
-        log.info("serving %d prompts x %d epochs, %d groups of %d per step, max_staleness %d",
+        log.info("serving %d prompts x %d epochs, %d groups of %d per step, max_staleness %d%s",
                  self.state.order.n, self.cfg.max_epochs, self.cfg.prompts_per_step,
-                 self.cfg.n_samples_per_prompt, self.cfg.max_staleness)
+                 self.cfg.n_samples_per_prompt, self.cfg.max_staleness,
+                 f", dynamic sampling (at most {self.state.filter_cap} groups filtered per step)"
+                 if self.cfg.dynamic_filtering else "")
         while not self.stopping:
             self._poll_relay_when_it_can_move()
             events = dict(self.poller.poll(POLL_MS))
@@ -353,8 +356,10 @@ class BufferService:
         for m, f in zip(metas, item_frames):
             outcome = self.state.add_sample(m.group_id, m.sample_index, m.lease_id, m.failed, m.min_version,
                                             m.reward, f, m.max_version, now)
-            if outcome in ("accepted", "complete"):
+            if outcome in ("accepted", "complete", "filtered"):
                 accepted += 1
+            if outcome == "filtered":
+                log.debug("group %d filtered: its rewards carry no signal (dynamic sampling)", m.group_id)
             elif outcome == "failed":
                 log.info("group %d dropped: sample %d failed scoring (%s)", m.group_id, m.sample_index, m.error[:200])
         self._summary_rollouts += accepted
@@ -406,11 +411,11 @@ class BufferService:
         interval = self.cfg.log_interval_s + now - self._next_summary
         m = self.state.metrics(now)
         log.info("version %d | groups queued %d leased %d issued %d/%d | accepted %d served %d | dropped "
-                 "stale %d failed %d overflow %d | late %d malformed %d | %.0f rollouts/s in",
+                 "stale %d failed %d overflow %d filtered %d | late %d malformed %d | %.0f rollouts/s in",
                  m["buffer/version"], m["buffer/queued_groups"], m["buffer/leased_groups"],
                  m["buffer/issued_groups"], m["buffer/total_groups"], m["buffer/accepted_groups"],
                  m["buffer/served_groups"], m["buffer/dropped_stale"], m["buffer/failed_groups"],
-                 m["buffer/dropped_overflow"], m["buffer/late"], m["buffer/malformed"],
+                 m["buffer/dropped_overflow"], m["buffer/filtered"], m["buffer/late"], m["buffer/malformed"],
                  self._summary_rollouts / max(interval, 1e-9))
         self._summary_rollouts = 0
         self._next_summary = now + self.cfg.log_interval_s

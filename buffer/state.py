@@ -8,31 +8,41 @@ prompt dataset and its order are `buffer/prompts.py`.
 Life of a prompt group k (counted from 0 over the whole run):
 
     issued (leased) ──all n samples in──> ready ──batch for a step──> served ──step trained──> in the ledger
-        │   │                               │
+        │   │                  │            │
+        │   │                  │            └─ too old for the step: dropped (stale)
+        │   │                  └─ no reward signal, with buffer.dynamic_filtering: dropped (filtered)
         │   └─ lease expired: back to the front of the queue, issued again under a new lease
-        └─ failed sample / GroupFailed: dropped          └─ too old for the step: dropped (stale)
+        └─ failed sample / GroupFailed: dropped
+
+A drop frees an admission slot (`k_live` = issued - dropped), so a replacement prompt is leased by
+itself: dynamic sampling (DAPO) keeps every step at prompts_per_step groups whose rewards differ,
+filtering at most dynamic_filtering_max_rounds x prompts_per_step groups per learner version.
 
 Resume (`BufferState.resume`): the learner, restarted from its checkpoint at step N, says N and the
 groups its lineage trained (its ledger). Every other group the buffer had served, leased or queued
 with tokens newer than version N is issued again; stale drops judged at versions after N are undone
-(issued again); version N holds from then on. A buffer restored from disk leases nothing until
-that handshake, so no generator works for a lineage that no longer exists.
+(issued again; failed, overflow and filtered drops are final); version N holds from then on. A
+buffer restored from disk leases nothing until that handshake, so no generator works for a lineage
+that no longer exists.
 """
 
 from __future__ import annotations
 
 import heapq
+import logging
 from collections import Counter, deque
-from dataclasses import dataclass, field
 
 from buffer.config import BufferConfig
+from buffer.groups import Lease, PendingGroup, ReadyGroup, RequestError, Sample, StepBatch  # noqa: F401 (re-exported)
 from buffer.prompts import Prompt, PromptOrder, PromptsError, load_prompts  # noqa: F401 (the last two: re-exported)
 from buffer.protocol import LeaseGrant, PromptGroup, Wait
 from buffer.rules import (
     QUIET_S,
     admission_limit,
     admits,
+    cap_message,
     describe_wait,
+    filter_verdict,
     is_stale,
     share_bounds,
     share_stats,
@@ -41,72 +51,14 @@ from buffer.rules import (
 LEASE_RETRY_S = 0.1  # what a generator is told to wait when admission or the data holds it back
 BATCH_RETRY_S = 0.02  # a learner waiting for a batch polls faster: it is the critical path
 KEEP_FETCHED_STEPS = 2  # batches kept after every rank fetched them, for a rank whose reply was lost
+# always in `metrics`, 0 until they happen (a reader polling one never meets a missing key)
+COUNTERS = ("accepted_groups", "accepted_rollouts", "dropped_stale", "dropped_overflow", "failed_groups",
+            "filtered", "filter_cap_hits", "no_signal_groups", "unfiltered_past_cap", "late", "duplicates",
+            "malformed", "reissued", "expired_leases", "leases", "served_groups", "served_rollouts", "relayed",
+            "internal_errors", "resumes", "reissued_after_resume", "future_rollouts", "refused_old_weights",
+            "refused_future_weights", "memory_resets")
 
-
-# --------------------------------------------------------------------------------------------
-# groups, leases, batches
-
-
-@dataclass
-class Sample:
-    """An accepted scored rollout: its wire bytes (served as they came) and what batching needs."""
-
-    frame: bytes  # (or the `zmq.Frame` it came in: anything with the buffer protocol and a len)
-    min_version: int  # oldest token's policy version
-    reward: float
-    max_version: int = -1  # newest token's policy version (-1: none, or not known)
-
-
-@dataclass
-class PendingGroup:
-    group_id: int
-    lease_id: int  # the group's current lease: results for any other lease are late
-    version: int  # learner version at grant; stands in for the token versions of empty completions
-    samples: dict[int, Sample] = field(default_factory=dict)
-
-
-@dataclass
-class ReadyGroup:
-    group_id: int
-    samples: list[Sample]  # by sample index
-    min_version: int = field(init=False)  # oldest token of the group: what staleness is judged by
-
-    max_version: int = field(init=False)  # newest token: a version after a resume point voids the group
-
-    def __post_init__(self) -> None:
-        self.min_version = min(s.min_version for s in self.samples)
-        self.max_version = max(max(s.max_version, s.min_version) for s in self.samples)
-
-    def __lt__(self, other: "ReadyGroup") -> bool:  # heap order: oldest group first
-        return self.group_id < other.group_id
-
-
-@dataclass
-class Lease:
-    lease_id: int
-    worker_id: str
-    group_ids: set[int]  # still pending under this lease
-    expires_at: float
-    renewed_at: float = 0.0  # granted or last renewed
-
-
-@dataclass
-class StepBatch:
-    step: int
-    world_size: int
-    shares: list[list[bytes]]  # frames per rank
-    stats: list[dict[str, float]]  # per rank
-    group_ids: list[int]
-    fetched: set[int] = field(default_factory=set)
-
-
-class RequestError(Exception):
-    """A request that is well-formed but cannot be served; becomes an `Error` reply naming `field`."""
-
-    def __init__(self, field: str, message: str):
-        super().__init__(message)
-        self.field = field
-        self.message = message
+log = logging.getLogger("buffer")
 
 
 class BufferState:
@@ -133,6 +85,8 @@ class BufferState:
         self.last_lease_request: float | None = None
         self.last_scored: float | None = None
         self.last_old_weights: float | None = None  # when a lease was last refused for old weights
+        self.filtered_now = 0  # groups filtered at the current version (the cap counts per version)
+        self.cap_hit_at = -1  # the version at which the filter cap was last reached
         self.counters: Counter[str] = Counter()
 
     # ---- leases ----------------------------------------------------------------------------
@@ -279,8 +233,39 @@ class BufferState:
         if len(g.samples) < self.cfg.n_samples_per_prompt:
             return "accepted"
         self._finish_in_lease(g)
-        self._add_ready(ReadyGroup(group_id, [g.samples[i] for i in sorted(g.samples)]))
+        group = ReadyGroup(group_id, [g.samples[i] for i in sorted(g.samples)])
+        if self._filters(group):
+            self._drop([group_id], "filtered")  # its admission slot goes to a replacement prompt
+            return "filtered"
+        self._add_ready(group)
         return "complete"
+
+    @property
+    def filter_cap(self) -> int:
+        """Groups dynamic sampling may filter per learner version (0: it is off)."""
+        return self.cfg.dynamic_filtering_max_rounds * self.cfg.prompts_per_step if self.cfg.dynamic_filtering else 0
+
+    def _filters(self, group: ReadyGroup) -> bool:
+        """Dynamic sampling: is this complete group dropped for carrying no reward signal?"""
+        if is_stale(group.min_version, self.version, self.cfg.max_staleness):
+            return False  # dropped as stale anyway: it must not use up the cap
+        verdict = filter_verdict([s.reward for s in group.samples], self.cfg.dynamic_filtering_range,
+                                 self.filtered_now, self.filter_cap)
+        if verdict == "keep":
+            return False
+        self.counters["no_signal_groups"] += 1  # counted with filtering off too: what it would filter
+        if verdict == "capped":
+            self.counters["unfiltered_past_cap"] += 1
+            if self.cap_hit_at != self.version:
+                self.cap_hit_at = self.version
+                self.counters["filter_cap_hits"] += 1
+                log.warning(cap_message(self.filtered_now, self.version, self.cfg.dynamic_filtering_max_rounds,
+                                        self.cfg.prompts_per_step))
+        self.filtered_now += verdict == "filter"
+        return verdict == "filter"
+
+    def _filtered_at(self, version: int) -> int:
+        return sum(1 for c, v in self.dropped.values() if c == "filtered" and v == version)
 
     def _add_ready(self, group: ReadyGroup, restored: bool = False) -> None:
         if not restored:
@@ -299,6 +284,7 @@ class BufferState:
         if version <= self.version:
             return
         self.version = version
+        self.filtered_now = 0
         if self.store:
             self.store.version(version)
         self._drop_stale()
@@ -353,6 +339,7 @@ class BufferState:
         self.next_group = top
         self.next_step = step
         self.version = step
+        self.filtered_now = self._filtered_at(step)
         self.awaiting_resume = False
         self._drop_stale()
         self.counters["resumes"] += 1
@@ -382,8 +369,11 @@ class BufferState:
                 raise RequestError("batch_request.step", f"step {step} was served to every rank and released")
             if len(self.ready) < pps:
                 if self.exhausted() and not self.pending:
+                    filtered = self.counters["filtered"]
                     return Wait(f"no batch for step {step} can be formed: data exhausted with "
-                                f"{len(self.ready)} of {pps} groups left", BATCH_RETRY_S, done=True)
+                                f"{len(self.ready)} of {pps} groups left"
+                                + (f" ({filtered} filtered by dynamic sampling)" if filtered else ""),
+                                BATCH_RETRY_S, done=True)
                 return Wait(f"step {step}: " + describe_wait(self.metrics(now)), BATCH_RETRY_S)
             b = self._assemble(step, world_size)
         if world_size != b.world_size:
@@ -402,7 +392,9 @@ class BufferState:
         for rank in range(world_size):
             lo, hi = share_bounds(pps, world_size, rank)
             shares.append([s.frame for g in groups[lo:hi] for s in g.samples])
-            stats.append(share_stats(groups[lo:hi], step))
+            # run-wide numbers too: the learner logs a share's stats with its step's metrics
+            stats.append({**share_stats(groups[lo:hi], step), "filtered": self.counters["filtered"],
+                          "filter_pass_rate": self.filter_pass_rate()})
         self.last_staleness_mean = share_stats(groups, step)["staleness_mean"]
         b = StepBatch(step, world_size, shares, stats, [g.group_id for g in groups])
         self.batches[step] = b
@@ -414,6 +406,7 @@ class BufferState:
     def _fetched_by_all(self, b: StepBatch) -> None:
         if self.store:
             self.store.served(b.step, b.group_ids)
+            self.store.counters(self.counters)  # once a step: a killed buffer's counts lag a step at most
         done = sorted(s for s, x in self.batches.items() if len(x.fetched) == x.world_size)
         for s in done[:-KEEP_FETCHED_STEPS]:
             del self.batches[s]
@@ -425,6 +418,11 @@ class BufferState:
         """Issued and neither ready, dropped nor served: what a restart must issue again."""
         held = {gid for b in self.batches.values() if len(b.fetched) < b.world_size for gid in b.group_ids}
         return sorted(set(self.requeue) | set(self.pending) | held)
+
+    def filter_pass_rate(self) -> float:
+        """Of the complete groups not dropped as stale, the share dynamic sampling kept (1.0 before any)."""
+        kept, filtered = self.counters["accepted_groups"], self.counters["filtered"]
+        return kept / (kept + filtered) if kept + filtered else 1.0
 
     def metrics(self, now: float | None = None) -> dict[str, float]:
         c = self.counters
@@ -453,12 +451,11 @@ class BufferState:
             "buffer/quietest_lease_s": max((since(x.renewed_at) for x in self.leases.values()), default=-1.0),
             "buffer/refused_old_weights_recent": float(0 <= since(self.last_old_weights) < QUIET_S),
             "buffer/dropped_groups": self.n_dropped,
+            "buffer/filtered_this_version": self.filtered_now,
+            "buffer/filter_cap": self.filter_cap,
+            "buffer/filter_pass_rate": self.filter_pass_rate(),
         }
-        for name in ("accepted_groups", "accepted_rollouts", "dropped_stale", "dropped_overflow",
-                     "failed_groups", "late", "duplicates", "malformed", "reissued", "expired_leases",
-                     "leases", "served_groups", "served_rollouts", "relayed", "internal_errors", "resumes",
-                     "reissued_after_resume", "future_rollouts", "refused_old_weights", "refused_future_weights",
-                     "memory_resets"):
+        for name in COUNTERS:
             m[f"buffer/{name}"] = c[name]
         for name, v in c.items():
             m.setdefault(f"buffer/{name}", v)
@@ -473,6 +470,12 @@ class BufferState:
         self.dropped = dict(saved.dropped)
         self.version = saved.version
         self.counters.update(saved.counters)
+        for reason, n in Counter(c for c, _ in self.dropped.values()).items():
+            # the log's last counters record may predate its last drops (a killed buffer): records win
+            self.counters[reason] = max(self.counters[reason], n)
+        self.filtered_now = self._filtered_at(self.version)
+        if self.filtered_now >= self.filter_cap > 0:
+            self.cap_hit_at = self.version  # already counted and said before the restart
         self.requeue.extend(saved.open_groups)
         for gid, samples in sorted(groups.items()):
             if gid not in self.dropped:

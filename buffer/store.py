@@ -6,13 +6,15 @@
     ["group", group_id, [frames]]        an accepted complete group: its scored-rollout frames as received
     ["served", step, [group ids]]        every rank fetched step `step`'s batch, made of these groups
     ["dropped", [group ids], counter, version]
-                                         stale, failed or overflowed (`counter`) at learner `version`
+                                         stale, failed, overflowed or filtered (`counter`: the reason)
+                                         at learner `version`
     ["version", v]                       the learner's version moved
-    ["counters", {name: value}]          metrics counters, at each summary and at shutdown
+    ["counters", {name: value}]          metrics counters, at each served step, summary and shutdown
 
 Replaying the log gives the groups accepted and not yet served (they are queued again), the groups
-issued but never answered (issued again) and every drop with its reason. Served groups are the
-issued ones that are none of these, so nothing per served group needs keeping.
+issued but never answered (issued again) and every drop with its reason (a restored buffer counts
+each reason at least as often as the log holds it, whatever its last counters record says). Served
+groups are the issued ones that are none of these, so nothing per served group needs keeping.
 
 Size: the log is rewritten as one `base` record plus the unserved groups when it is loaded, after
 a resume, and while the buffer runs whenever it has grown by more than `compact_bytes` and more

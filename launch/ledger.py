@@ -2,13 +2,15 @@
 
 Every prompt group the buffer issued must end in exactly one place: trained in one step of the final
 lineage (`<run_dir>/ledger.jsonl`, written by the learner), dropped with a counted reason (the
-buffer's state log), or still in flight (queued or to be issued again when the run goes on). The
-audit reads both files and prints, as JSON:
+buffer's state log; a group dynamic sampling filtered for carrying no reward signal is one of
+these), or still in flight (queued or to be issued again when the run goes on). The audit reads
+both files and prints, as JSON:
 
     steps, missing_steps           learner steps in the ledger; steps 0..last that have no line
     groups_trained                 distinct groups trained
     groups_trained_twice           groups that appear in more than one step (must be 0)
-    groups_dropped                 {reason: count} (stale, failed, overflow)
+    groups_dropped                 {reason: count}: dropped_stale, failed_groups, dropped_overflow, filtered
+    groups_filtered                groups_dropped's `filtered`: no reward signal (buffer.dynamic_filtering)
     groups_in_flight               issued, neither trained nor dropped, held by the buffer to serve or issue again
     groups_lost                    issued and in none of the above (must be 0)
 
@@ -56,6 +58,7 @@ def audit(run_dir: str | Path, state_dir: str | Path | None = None) -> dict:
         out.update({
             "groups_issued": len(issued),
             "groups_dropped": dict(Counter(dropped.values())),
+            "groups_filtered": sum(1 for c in dropped.values() if c == "filtered"),
             "groups_in_flight": len(in_flight),
             "groups_lost": len(issued - trained - set(dropped) - in_flight),
             "dropped_and_trained": sum(1 for g in r.dropped if g in trained),

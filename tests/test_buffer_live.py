@@ -136,7 +136,8 @@ def test_metrics_report_every_counter(buffer):
     with buffer.client() as c:
         m = c.metrics()
     for key in ("queued_groups", "leased_groups", "accepted_groups", "dropped_stale", "failed_groups", "late",
-                "malformed", "version", "staleness_mean", "reissued"):
+                "malformed", "version", "staleness_mean", "reissued", "filtered", "filter_cap_hits",
+                "filter_pass_rate", "no_signal_groups"):
         assert f"buffer/{key}" in m, key
     assert m["buffer/total_groups"] == 200
 

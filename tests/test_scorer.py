@@ -64,6 +64,29 @@ def test_arithmetic_reward_fn():
     assert not any(s.failed for s in out) and all(s.ref_logprobs is None for s in out)
 
 
+def test_overlong_penalty_formula():
+    # max_new_tokens 10, buffer 4: no penalty up to 10 - 4 = 6 tokens; 7 -> -(1/4) * 0.5 = -0.125,
+    # 8 -> -0.25, 10 -> -0.5 (the factor), past the limit it stays at -0.5; buffer 0 is off.
+    from actors.rewards import overlong_penalty
+
+    assert [overlong_penalty(n, 10, 4, 0.5) for n in (0, 6, 7, 8, 10, 12)] == [0.0, 0.0, -0.125, -0.25, -0.5, -0.5]
+    assert overlong_penalty(10, 10, 0, 1.0) == 0.0
+
+
+def test_overlong_punishment_is_one_more_reward_component():
+    # make_rollout adds an end token: "64" is 3 ids, "64 more" 8. max_new_tokens 8, buffer 4:
+    # expected 4, so 3 ids -> 0 and 8 ids -> -min(4 / 4, 1) * 2 = -2.0, added to the reward once.
+    cfg = ScorerConfig(kinds=["reward_fn"], reward_fn=ARITHMETIC, max_new_tokens=8, overlong_buffer_len=4,
+                       overlong_penalty_factor=2.0)
+    scorer = Scorer(cfg)
+    try:
+        out = roundtrip(scorer.score([make_rollout("12+34=", "64", "64"), make_rollout("12+34=", "64 more", "64")]))
+    finally:
+        scorer.close()
+    assert [s.scores for s in out] == [{"reward_fn": 1.0, "overlong": 0.0}, {"reward_fn": 0.0, "overlong": -2.0}]
+    assert [s.reward for s in out] == [1.0, -2.0]
+
+
 BAD_FNS = {
     # raises for one sample only: the scorer retries one by one, so only that one fails
     "raises": "def reward_fn(p, c, l):\n    if any(x == 'boom' for x in c):\n        raise RuntimeError('kaboom')\n"
@@ -358,7 +381,8 @@ def test_scorer_process_scores_for_the_buffer(tmp_path, tiny_model_dir):
     scorer_log = open(tmp_path / "scorer.log", "w")
     scorer = subprocess.Popen(
         [sys.executable, "-m", "launch.scorer", "--scorer.kinds", "reward_fn,reference", "--scorer.reward_fn", str(fn),
-         "--scorer.reference", str(tiny_model_dir), "--scorer.buffer_port", str(port), "--scorer.poll_s", "0.2"],
+         "--scorer.reference", str(tiny_model_dir), "--scorer.buffer_port", str(port), "--scorer.poll_s", "0.2",
+         "--scorer.max_new_tokens", "3", "--scorer.overlong_buffer_len", "2"],
         cwd=ROOT, env=subprocess_env(), stderr=scorer_log)
     client = BufferClient("127.0.0.1", port, timeout_s=10)
     try:
@@ -376,7 +400,10 @@ def test_scorer_process_scores_for_the_buffer(tmp_path, tiny_model_dir):
         assert len(batch.scored) == 2, log
         by_index = sorted(batch.scored, key=lambda s: s.rollout.sample_index)
         assert {s.rollout.group_id for s in by_index} == {g1.group_id}
-        assert [s.reward for s in by_index] == [1.0, 0.0]
+        # "2" and "3" are 2 ids each with the end token: 2 - (3 - 2) = 1 over, -min(1 / 2, 1) * 1.0
+        assert [s.reward for s in by_index] == [0.5, -0.5]
+        assert [s.scores for s in by_index] == [{"reward_fn": 1.0, "overlong": -0.5},
+                                                {"reward_fn": 0.0, "overlong": -0.5}]
         assert all(s.ref_logprobs is not None and len(s.ref_logprobs) == len(s.rollout.completion_ids)
                    and np.all(s.ref_logprobs <= 0) for s in by_index)
         m = client.metrics()
