@@ -45,6 +45,10 @@ class GeneratorConfig(WeightSyncAddress, BufferAddress):
     worker_extension: str = "actors.vllm_worker.WorkerExtension"
     """vLLM: dotted path of the worker extension class that receives weights (`receive_weights`).
     Skipped, with a warning, when its module cannot be found."""
+    lora_rank: int = Field(0, ge=0)
+    """The learner trains LoRA adapters of this rank (tied from learner.lora_rank): weight rounds
+    then carry only the adapter, which vLLM serves with its LoRA support on (the CPU build too)
+    and the transformers backend merges into its weights. 0: rounds carry the full weights."""
     async_engine: bool = False
     """vLLM: drive vLLM's `AsyncLLM` from a background thread instead of the offline `LLM`. Needed
     for `weight_sync.mode: interrupt`: the generator keeps polling the weight-sync service while a
@@ -105,6 +109,9 @@ class GeneratorConfig(WeightSyncAddress, BufferAddress):
                         f"buffer_patience_s={self.buffer_patience_s}")
         if self.async_engine and self.engine != "vllm":
             errs.append(f"generator.async_engine=true needs generator.engine='vllm' (got {self.engine!r})")
+        if self.engine == "vllm" and self.lora_rank > 512:
+            errs.append(f"generator.lora_rank={self.lora_rank} (learner.lora_rank): vLLM serves LoRA adapters "
+                        f"up to rank 512")
         return errs
 
     def missing(self) -> list[str]:

@@ -1,6 +1,7 @@
 """The transformers backend: a Hugging Face causal LM sampled by hand over its KV cache. Slow, but
 easy to step through, and a second opinion on vLLM's numbers (the same processed log-probs, see
-`actors.engines.process_logits`). torch and transformers are imported inside.
+`actors.engines.process_logits`). torch and transformers are imported inside. A LoRA adapter round
+is merged into the weights (base + scale * B @ A).
 """
 
 from __future__ import annotations
@@ -46,6 +47,7 @@ class TransformersEngine(Engine):
         self.pad_id = int(pad) if pad is not None else 0
         self.eos_ids = _stop_ids(self.tokenizer, model, [])
         self.version = 0
+        self._lora_base: dict = {}  # the base weights LoRA adapter rounds are merged into
 
     def generate(self, prompt_ids: list[list[int]], n: int, sampling: Sampling) -> list[list[Completion]]:
         import torch
@@ -116,7 +118,7 @@ class TransformersEngine(Engine):
         from weight_sync.receiver import receive_into_model
 
         info = round_info(info)
-        stats = receive_into_model(self.model, info)
+        stats = receive_into_model(self.model, info, base=self._lora_base)
         self.version = info.version
         return stats
 

@@ -7,6 +7,11 @@ process); vllm is imported inside them.
 Weights arrive as a weight-sync round: only the `RoundInfo` crosses `collective_rpc`, as a plain
 map; the tensors come over the round's own process group, straight into the workers
 (`actors.vllm_worker.WorkerExtension`). A loaded round stamps the engine with its version.
+
+With `lora_rank > 0` (a learner that trains LoRA adapters) the engine starts with vLLM's LoRA
+support on (`enable_lora`, checked on the CPU build: adapters load into a running engine and
+greedy outputs equal transformers' on the merged weights), every request names the policy's
+adapter, and rounds carry only the adapter (`actors/vllm_worker.py` has how it is loaded).
 """
 
 from __future__ import annotations
@@ -15,15 +20,19 @@ import asyncio
 import importlib.util
 import itertools
 import logging
+import shutil
+import tempfile
 import threading
 from concurrent.futures import Future
 from typing import Any
 
 from actors.engines import Completion, Engine, Sampling
-from actors.vllm_worker import apply_round_async, rpc_timeout
+from actors.vllm_worker import apply_round_async, lora_request, rpc_timeout
 from weight_sync.messages import RoundInfo, round_info, to_builtins
 
 log = logging.getLogger(__name__)
+
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # the values vLLM's max_lora_rank takes
 
 
 def extension_available(dotted: str) -> bool:
@@ -36,9 +45,10 @@ def extension_available(dotted: str) -> bool:
 
 
 def _vllm_kwargs(model: str, tokenizer: str, dtype: str, seed: int, tensor_parallel_size: int,
-                 gpu_memory_utilization: float, max_model_len: int, worker_extension: str) -> dict[str, Any]:
+                 gpu_memory_utilization: float, max_model_len: int, worker_extension: str,
+                 lora_rank: int = 0) -> dict[str, Any]:
     """Engine arguments shared by `LLM` and `AsyncLLM`: eager mode, processed log-probs, the worker
-    extension that receives weights (when its module exists)."""
+    extension that receives weights (when its module exists), LoRA for adapters up to `lora_rank`."""
     import torch
 
     if not gpu_memory_utilization:
@@ -52,6 +62,11 @@ def _vllm_kwargs(model: str, tokenizer: str, dtype: str, seed: int, tensor_paral
     )
     if max_model_len:
         kwargs["max_model_len"] = max_model_len
+    if lora_rank:
+        if lora_rank > VLLM_LORA_RANKS[-1]:
+            raise ValueError(f"lora_rank={lora_rank}: vLLM serves adapters up to rank {VLLM_LORA_RANKS[-1]}")
+        # one adapter (the policy), updated in place; max_lora_rank takes a few values: the next one up
+        kwargs.update(enable_lora=True, max_loras=1, max_lora_rank=min(r for r in VLLM_LORA_RANKS if r >= lora_rank))
     if extension_available(worker_extension):
         kwargs["worker_extension_cls"] = worker_extension
     elif worker_extension:
@@ -82,20 +97,36 @@ class _VLLMBackend(Engine):
 
     def __init__(self, model: str, *, tokenizer: str = "", dtype: str = "float32", seed: int = 0,
                  tensor_parallel_size: int = 1, gpu_memory_utilization: float = 0.0, max_model_len: int = 0,
-                 worker_extension: str = "actors.vllm_worker.WorkerExtension"):
+                 worker_extension: str = "actors.vllm_worker.WorkerExtension", lora_rank: int = 0):
         kwargs = _vllm_kwargs(model, tokenizer, dtype, seed, tensor_parallel_size, gpu_memory_utilization,
-                              max_model_len, worker_extension)
+                              max_model_len, worker_extension, lora_rank)
         self.has_extension = "worker_extension_cls" in kwargs
         self.version = 0
-        self._start_engine(kwargs)
+        # LoRA: where adapter rounds are written, and the request every prompt names (None: no LoRA)
+        self.lora_folder = tempfile.mkdtemp(prefix="conveyor-lora-") if lora_rank else ""
+        self.lora_request = lora_request(self.lora_folder) if lora_rank and self.has_extension else None
+        try:
+            self._start_engine(kwargs)
+            if lora_rank and self.has_extension:
+                self._rpc("init_lora_slot", (kwargs["max_lora_rank"], self.lora_folder))
+        except BaseException:
+            self._remove_lora_folder()
+            raise
 
     def _start_engine(self, kwargs: dict) -> None:
+        raise NotImplementedError
+
+    def _rpc(self, method: str, args: tuple) -> list:
         raise NotImplementedError
 
     def _round(self, info) -> RoundInfo:
         if not self.has_extension:
             raise RuntimeError("this vLLM engine was started without a worker extension; it cannot receive weights")
         return round_info(info)
+
+    def _remove_lora_folder(self) -> None:
+        if self.lora_folder:
+            shutil.rmtree(self.lora_folder, ignore_errors=True)
 
 
 class VLLMEngine(_VLLMBackend):
@@ -108,24 +139,28 @@ class VLLMEngine(_VLLMBackend):
         self.llm = vllm.LLM(**kwargs)
         self.tokenizer = self.llm.get_tokenizer()
 
+    def _rpc(self, method: str, args: tuple) -> list:
+        return self.llm.collective_rpc(method, args=args)
+
     def generate(self, prompt_ids: list[list[int]], n: int, sampling: Sampling) -> list[list[Completion]]:
         from vllm.inputs import TokensPrompt
 
         prompts = [TokensPrompt(prompt_token_ids=[int(t) for t in p]) for p in prompt_ids]
-        outputs = self.llm.generate(prompts, _sampling_params(n, sampling), use_tqdm=False)
+        outputs = self.llm.generate(prompts, _sampling_params(n, sampling), use_tqdm=False,
+                                    lora_request=self.lora_request)
         return [[_completion(c) for c in out.outputs] for out in outputs]
 
     def receive_weights(self, info: RoundInfo) -> dict:
         info = self._round(info)
         # Only the round (plain data) crosses collective_rpc; the tensors come over the round's own
         # process group, straight into the workers (actors/vllm_worker.py).
-        stats = self.llm.collective_rpc("receive_weights", timeout=rpc_timeout(info), args=(to_builtins(info),))[0]
+        stats = self.llm.collective_rpc("receive_weights", timeout=rpc_timeout(info),
+                                        args=(to_builtins(info), self.lora_folder))[0]
         # Cached prefix blocks hold keys/values the old weights computed: a new prompt must not reuse
         # them. Nothing runs between batches, so the reset succeeds.
         self.llm.reset_prefix_cache()
         self.version = info.version
         return stats
-
 
     def close(self) -> None:
         llm = getattr(self, "llm", None)
@@ -135,6 +170,7 @@ class VLLMEngine(_VLLMBackend):
         if core is not None:
             core.shutdown()
         self.llm = None
+        self._remove_lora_folder()
 
 
 def _token_versions(c) -> list[int]:
@@ -192,6 +228,9 @@ class AsyncVLLMEngine(_VLLMBackend):
             raise
         self.tokenizer = self.llm.get_tokenizer()
 
+    def _rpc(self, method: str, args: tuple) -> list:
+        return self._run(self.llm.collective_rpc(method, args=args))
+
     def _run(self, coro, timeout: float | None = None):
         """Run `coro` on the engine's loop; block this thread for its result."""
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout)
@@ -243,7 +282,8 @@ class AsyncVLLMEngine(_VLLMBackend):
 
     async def _request(self, prompt, params):
         final = None
-        async for final in self.llm.generate(prompt, params, request_id=f"conveyor-{next(self._request_ids)}"):
+        async for final in self.llm.generate(prompt, params, request_id=f"conveyor-{next(self._request_ids)}",
+                                             lora_request=self.lora_request):
             pass
         return final
 
@@ -254,7 +294,7 @@ class AsyncVLLMEngine(_VLLMBackend):
 
     async def _receive(self, info: RoundInfo) -> dict:
         # the label is the policy version, set while the scheduler is paused (see the class docstring)
-        stats = await apply_round_async(self.llm, info, label=str(info.version))
+        stats = await apply_round_async(self.llm, info, label=str(info.version), lora_folder=self.lora_folder)
         self.version = info.version
         self._prefix_cache_stale = True
         return stats
@@ -267,6 +307,7 @@ class AsyncVLLMEngine(_VLLMBackend):
         finally:
             self.llm = None
             self._stop_loop()
+            self._remove_lora_folder()
 
     async def _shutdown(self) -> None:
         # a batch still in flight (a second signal interrupted it): cancelling aborts its requests

@@ -22,21 +22,47 @@ Modes (`RoundInfo.mode`, chosen in the service's config):
   `resume_generation()`. The frozen requests finish on the new weights: their tokens before the
   pause came from the old version, the rest from the new one, and vLLM reports the label per
   generated span (see `actors.vllm_engine.AsyncVLLMEngine`).
+
+LoRA (an engine started with `enable_lora`, for a learner that trains adapters): the policy is
+the base model plus one adapter, vLLM's LoRA id `LORA_ID`, which every request names. At start
+`init_lora_slot` registers it as vLLM's all-zero dummy adapter (version 0 is the base). An
+adapter round is written to the engine's folder in peft's format and loaded into that same id
+in place (`add_lora` with `load_inplace`): requests in flight then go on with the new adapter,
+as they do with new full weights, so the version labels stay right in `interrupt` mode too.
 """
 
 from __future__ import annotations
 
+import os
 import time
+
+LORA_NAME = "policy"
+LORA_ID = 1  # the one adapter id every request uses (vLLM ids start at 1)
+
+
+def lora_request(folder: str):
+    """The `LoRARequest` of the policy's adapter (its files: `<folder>/rank0`)."""
+    from vllm.lora.request import LoRARequest
+
+    return LoRARequest(LORA_NAME, LORA_ID, os.path.join(folder, "rank0"))
 
 
 class WorkerExtension:
     """Mixed into vLLM's worker class; `self` is the worker (it has `reload_weights`, `device`)."""
 
-    def receive_weights(self, round_info: dict) -> dict:
+    def init_lora_slot(self, rank: int, folder: str) -> None:
+        """Register the policy's adapter id as an all-zero adapter of `rank`, pinned (never evicted)."""
+        req = lora_request(folder)
+        self._conveyor_lora_rank = rank
+        self.model_runner.lora_manager.add_dummy_lora(req, rank)
+        self.model_runner.pin_lora(req.lora_int_id)
+
+    def receive_weights(self, round_info: dict, lora_folder: str = "") -> dict:
         """Receive a weight round and load it in place; returns stats (version, bytes, seconds).
 
-        Raises `weight_sync.receiver.RoundMissed` (through collective_rpc) when this generator was
-        left out of the round; the weights are then untouched.
+        An adapter round (`info.adapter`) is written under `lora_folder` and loaded as the policy's
+        adapter. Raises `weight_sync.receiver.RoundMissed` (through collective_rpc) when this
+        generator was left out of the round; the weights are then untouched.
         """
         from weight_sync.messages import round_info as checked
         from weight_sync.receiver import receive_named_tensors
@@ -51,11 +77,27 @@ class WorkerExtension:
         buffers = None
         if str(device) == "cpu":
             buffers = self.__dict__.setdefault("_weight_sync_buffers", [])
+        if info.adapter is not None and not lora_folder:
+            raise RuntimeError(f"round {info.round_id} carries a LoRA adapter (rank {info.adapter.r}) but this "
+                               f"engine was started without LoRA: set generator.lora_rank")
         named, stats = receive_named_tensors(info, local_rank, device, buffers)
         t0 = time.monotonic()
-        # reload_weights, not model.load_weights: the latter fails on the CPU build once the
-        # weights have been repacked into kernel layout
-        self.reload_weights(weights_iterator=iter(named))
+        if info.adapter is not None:
+            from vllm.lora.request import LoRARequest
+
+            from weight_sync.receiver import write_adapter
+
+            # each worker reads its own copy: no worker waits on another's file
+            path = write_adapter(named, info.adapter, os.path.join(lora_folder, f"rank{local_rank}"))
+            self.add_lora(LoRARequest(LORA_NAME, LORA_ID, path, load_inplace=True))
+        else:
+            # reload_weights, not model.load_weights: the latter fails on the CPU build once the
+            # weights have been repacked into kernel layout
+            self.reload_weights(weights_iterator=iter(named))
+            if lora_folder and LORA_ID not in self.list_loras():
+                # full (e.g. merged) weights into a LoRA engine: the reload dropped the adapters;
+                # the zero adapter again, so the requests' adapter id stays valid
+                self.init_lora_slot(self._conveyor_lora_rank, lora_folder)
         stats.update(load_s=time.monotonic() - t0, version=info.version, local_rank=local_rank)
         return stats
 
@@ -65,11 +107,13 @@ def rpc_timeout(info) -> float:
     return float(info.timeout_s) + 60.0
 
 
-async def apply_round_async(engine, info, mode: str | None = None, label: str | None = None) -> dict:
+async def apply_round_async(engine, info, mode: str | None = None, label: str | None = None,
+                            lora_folder: str = "") -> dict:
     """Load a round (a `RoundInfo`) into an `AsyncLLM`; in `interrupt` mode, around in-flight requests.
 
     `label`: vLLM's weight-version label to set while the scheduler is paused, so that no step
-    straddles the change. Returns the first worker's stats plus `pause_s` (time spent pausing).
+    straddles the change. `lora_folder`: where an adapter round is written (an engine with LoRA).
+    Returns the first worker's stats plus `pause_s` (time spent pausing).
     """
     from weight_sync.messages import to_builtins
 
@@ -79,7 +123,8 @@ async def apply_round_async(engine, info, mode: str | None = None, label: str | 
         await engine.pause_generation(mode="keep", clear_cache=False)  # running requests keep their KV cache
     pause_s = time.monotonic() - t0
     try:
-        results = await engine.collective_rpc("receive_weights", timeout=rpc_timeout(info), args=(to_builtins(info),))
+        results = await engine.collective_rpc("receive_weights", timeout=rpc_timeout(info),
+                                              args=(to_builtins(info), lora_folder))
         if label is not None:
             # while paused: every step from now on is computed by, and labelled with, the new weights
             await engine.update_weight_version(label)

@@ -220,6 +220,8 @@ def finish(run: Run, explicit: dict | None = None) -> None:
     if not b.state_dir:
         b.state_dir = str(Path(r.run_dir) / "buffer_state")
     tie_addresses((g, s, l), b, w)
+    if not is_set(explicit, "generator.lora_rank"):
+        g.lora_rank = l.lora_rank  # the generator serves the adapters the learner trains
     if not is_set(explicit, "scorer.max_new_tokens"):
         s.max_new_tokens = g.max_new_tokens
     if not is_set(explicit, "learner.temperature"):

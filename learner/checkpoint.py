@@ -2,11 +2,17 @@
 
 A folder holds
   config.json, model.safetensors, generation_config.json, tokenizer files   HF format (transformers, vLLM)
+  adapter/          LoRA only: the adapter in peft's format (adapter_config.json, adapter_model.safetensors)
   deepspeed/        engine.save_checkpoint of the policy (optimizer, LR schedule, ZeRO partitions)
   critic/           the same for the critic (PPO with GAE only)
   trainer_state.json  {"step": N, ...}: the next step to train and ask the buffer for
 and `<run_dir>/checkpoints/latest` names the newest complete one; it is written last, so a run
 killed while saving resumes from the previous checkpoint.
+
+With LoRA the HF files are the merged model (base + adapter), written only when asked
+(`merged=True`: `lora_save_merged`, and the run's final checkpoint); `adapter/` is always
+there, loads with `PeftModel.from_pretrained(base, "step_N/adapter")`, and DeepSpeed's state
+holds the trainable parameters only (the frozen base is the model folder the run started from).
 
 Saving is collective (ZeRO gathers): every rank calls `save_checkpoint`.
 """
@@ -24,6 +30,7 @@ import torch
 import torch.distributed as dist
 
 from learner.engine import iter_full_params
+from learner.lora import is_lora, save_adapter
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json",
                    "vocab.txt", "merges.txt", "tokenizer.model", "added_tokens.json", "chat_template.jinja",
@@ -41,14 +48,15 @@ def _write_atomic(path: Path, text: str) -> None:
 
 
 def save_hf(engine, out: Path, tokenizer_src: str | Path) -> None:
-    """The policy as an HF folder (collective under ZeRO-3; rank 0 writes)."""
+    """The policy as an HF folder (collective under ZeRO-3; rank 0 writes). A LoRA policy is
+    written merged (base + adapter, under the base model's names)."""
     from safetensors.torch import save_file
 
-    state = dict(iter_full_params(engine))  # empty except on rank 0
+    state = dict(iter_full_params(engine))  # empty except on rank 0; a LoRA model's merged
     if dist.get_rank() != 0:
         return
     out.mkdir(parents=True, exist_ok=True)
-    model = engine.module
+    model = engine.module.get_base_model() if is_lora(engine) else engine.module
     # tied weights are one parameter in named_parameters(): the file holds it once, as HF does
     save_file({k: v.contiguous() for k, v in state.items()}, str(out / "model.safetensors"),
               metadata={"format": "pt"})
@@ -64,8 +72,11 @@ def save_hf(engine, out: Path, tokenizer_src: str | Path) -> None:
 
 
 def save_checkpoint(run_dir: str | Path, step: int, policy, critic=None, tokenizer_src: str | Path = "",
-                    extra: dict[str, Any] | None = None, keep: int = 0) -> Path:
-    """Save everything needed to continue at `step`; returns the folder. Called on every rank."""
+                    extra: dict[str, Any] | None = None, keep: int = 0, merged: bool = False) -> Path:
+    """Save everything needed to continue at `step`; returns the folder. Called on every rank.
+
+    A LoRA policy saves its adapter, and the merged HF model only with `merged`; any other
+    policy always saves its HF model."""
     root = checkpoints_dir(run_dir)
     out = root / f"step_{step}"
     if dist.get_rank() == 0:
@@ -73,8 +84,13 @@ def save_checkpoint(run_dir: str | Path, step: int, policy, critic=None, tokeniz
             shutil.rmtree(out)
         out.mkdir(parents=True)
     dist.barrier()
-    save_hf(policy, out, tokenizer_src)
-    policy.save_checkpoint(str(out / "deepspeed"), tag="state", save_latest=False)
+    lora = is_lora(policy)
+    if lora:
+        save_adapter(policy, out / "adapter")
+    if merged or not lora:
+        save_hf(policy, out, tokenizer_src)
+    # LoRA: the frozen base is not state (it is the model folder the run started from)
+    policy.save_checkpoint(str(out / "deepspeed"), tag="state", save_latest=False, exclude_frozen_parameters=lora)
     if critic is not None:
         critic.save_checkpoint(str(out / "critic"), tag="state", save_latest=False)
     dist.barrier()
@@ -134,7 +150,11 @@ def load_checkpoint(path: str | Path, policy, critic=None) -> dict[str, Any]:
     """Restore the engines (weights, optimizer, LR schedule) from `path`; returns trainer_state.json."""
     path = Path(path)
     state = json.loads((path / "trainer_state.json").read_text())
-    load_path, _ = policy.load_checkpoint(str(path / "deepspeed"), tag="state",
+    lora, has_adapter = is_lora(policy), (path / "adapter").is_dir()
+    if lora != has_adapter:  # the module's names differ: a non-strict load would load nothing
+        raise RuntimeError(f"{path} was saved {'with' if has_adapter else 'without'} LoRA and this run trains "
+                           f"{'LoRA adapters' if lora else 'the full weights'}: resume with the lora_rank it was saved with")
+    load_path, _ = policy.load_checkpoint(str(path / "deepspeed"), tag="state", load_module_strict=not is_lora(policy),
                                           load_optimizer_states=True, load_lr_scheduler_states=True)
     if load_path is None:
         raise RuntimeError(f"DeepSpeed found no policy state under {path / 'deepspeed'}")

@@ -10,7 +10,9 @@ the per-pair loss is
     ipo:            (h - 1 / (2 beta))^2
 and the implicit rewards are beta (logp_pi - logp_ref) of each response. The reference log-probs are
 computed once before training (`ref_mode: precompute`, then the reference model is freed) or beside
-every micro-batch (`on_the_fly`). Chosen and rejected go through the model as one batch.
+every micro-batch (`on_the_fly`). Chosen and rejected go through the model as one batch. With LoRA
+(`lora_rank > 0`) and no `ref_path`, `on_the_fly` needs no second model: the reference is the
+policy with its adapter switched off (the frozen base).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from learner.engine import load_trainable_lm
+from learner.lora import adapter_disabled
 from learner.metrics import say
 from learner.modeling import token_logprobs
 from learner.offline import Data, Trainer, pad_batch, run_trainer
@@ -68,7 +71,8 @@ def make_trainer(cfg: DPOConfig, tok, data: Data, rank: int, world: int, device:
         b = len(pairs)
         return sums[:b], sums[b:], target[:b].sum(-1).clamp_min(1)
 
-    ref_model = load_reference(cfg, dtype, device)
+    base_is_ref = cfg.lora_rank > 0 and not cfg.ref_path and cfg.ref_mode == "on_the_fly"
+    ref_model = None if base_is_ref else load_reference(cfg, dtype, device)
     ref = {}
     if cfg.ref_mode == "precompute":
         # once, sharded over ranks and summed back: every rank ends with every pair's reference log-probs
@@ -82,7 +86,11 @@ def make_trainer(cfg: DPOConfig, tok, data: Data, rank: int, world: int, device:
         if rank == 0:
             say("dpo", f"reference log-probs of {len(train_set) + len(held)} pairs computed; reference model freed")
 
-    def ref_logps(split, pairs, idx):
+    def ref_logps(engine, split, pairs, idx):
+        if base_is_ref:
+            with torch.no_grad(), adapter_disabled(engine):
+                c, r, _ = response_logps(engine, pairs)
+            return c, r
         if ref_model is None:
             r = ref[split][torch.tensor(idx)]  # (b, 2)
             return r[:, 0], r[:, 1]
@@ -93,7 +101,7 @@ def make_trainer(cfg: DPOConfig, tok, data: Data, rank: int, world: int, device:
     def losses_of(engine, split, data, idx):
         pairs = [data[i] for i in idx]
         pc, pr, n_chosen = response_logps(engine, pairs)
-        rc, rr = ref_logps(split, pairs, idx)
+        rc, rr = ref_logps(engine, split, pairs, idx)
         rc, rr = rc.to(device=pc.device, dtype=pc.dtype), rr.to(device=pc.device, dtype=pc.dtype)
         losses, cr, rr_ = dpo_loss(pc, pr, rc, rr, cfg.beta, cfg.loss, cfg.label_smoothing)
         nll = -pc / n_chosen  # (b,) token-mean NLL of each chosen response

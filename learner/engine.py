@@ -1,6 +1,11 @@
 """DeepSpeed setup shared by the RL learner and the offline trainers: the process group, the model
 loading, the config dict, the engines (policy, critic, any model), and full-parameter gathering.
 
+With `lora_rank > 0` the policy (and an offline trainer's model) is a peft LoRA model whose
+adapters alone are trainable, so DeepSpeed's optimizer holds only them (`learner/lora.py`); what a
+weight round sends is then the adapter (`iter_publish_params`). Checked on CPU with ZeRO 0, 2
+and 3.
+
 Checked on CPU (DeepSpeed 0.19.8, torch 2.13 CPU, gloo): ZeRO 0-3 with `torch.optim.AdamW` passed
 to `deepspeed.initialize` (no compiled CPU Adam needed), two ranks under either
 `deepspeed --num_gpus 2` or `torchrun --nproc_per_node 2`. The first `init_distributed` on a
@@ -132,8 +137,18 @@ def _initialize(model: nn.Module, cfg: LearnerConfig, lr: float):
 
 def build_engine(model: nn.Module, cfg: LearnerConfig, lr: float | None = None):
     """Any model wrapped in a DeepSpeed engine with AdamW and cfg's LR schedule (the offline trainers'
-    policy or reward model); total updates = cfg.total_steps * cfg.updates_per_step."""
-    return _initialize(model, cfg, cfg.lr if lr is None else lr)
+    policy or reward model); total updates = cfg.total_steps * cfg.updates_per_step. With
+    cfg.lora_rank > 0 the model gets LoRA adapters first, and only they are trained."""
+    return _initialize(with_lora(model, cfg), cfg, cfg.lr if lr is None else lr)
+
+
+def with_lora(model: nn.Module, cfg) -> nn.Module:
+    """`model` with LoRA adapters when cfg.lora_rank > 0 (see learner/lora.py), else as it is."""
+    if not cfg.lora_rank:
+        return model
+    from learner.lora import apply_lora
+
+    return apply_lora(model, cfg)
 
 
 def enable_gradient_checkpointing(model: nn.Module, on: bool = True) -> nn.Module:
@@ -154,14 +169,17 @@ def load_trainable_lm(path: str, gradient_checkpointing: bool = False) -> nn.Mod
 
 
 def build_policy_engine(cfg: LearnerConfig):
-    """The policy (any AutoModelForCausalLM folder) wrapped in a DeepSpeed engine with AdamW."""
-    return _initialize(load_trainable_lm(cfg.model_path, cfg.gradient_checkpointing), cfg, cfg.lr)
+    """The policy (any AutoModelForCausalLM folder) wrapped in a DeepSpeed engine with AdamW
+    (with LoRA adapters, the only trainable parameters, when cfg.lora_rank > 0)."""
+    return build_engine(load_trainable_lm(cfg.model_path, cfg.gradient_checkpointing), cfg)
 
 
 class ValueModel(nn.Module):
     """A critic: a transformer backbone (`AutoModel`, the causal LM without its head) + a linear value head.
 
     forward(input_ids, attention_mask) -> values (B, L): the value of the state after each position.
+    forward(input_ids, None, position_ids) runs on packed rows (`learner.packing`): positions
+    restarting at 0 keep each sequence's attention to itself, as for the policy.
     """
 
     def __init__(self, path: str):
@@ -175,8 +193,10 @@ class ValueModel(nn.Module):
         nn.init.zeros_(self.value_head.weight)
         nn.init.zeros_(self.value_head.bias)
 
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-        hidden = self.backbone(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).last_hidden_state
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                position_ids: torch.Tensor | None = None) -> torch.Tensor:
+        hidden = self.backbone(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                               use_cache=False).last_hidden_state
         return self.value_head(hidden.to(self.value_head.weight.dtype)).squeeze(-1).float()  # (B, L)
 
 
@@ -205,10 +225,17 @@ def iter_full_params(engine) -> Iterator[tuple[str, torch.Tensor]]:
     Under ZeRO-3 each parameter is gathered from its partitions first, which is a collective:
     every rank must walk this iterator to the end (the others get nothing), in step with rank 0.
     Names are the module's own (`model.layers.0.self_attn.q_proj.weight`, ...), i.e. HF naming
-    for a policy loaded with AutoModelForCausalLM.
+    for a policy loaded with AutoModelForCausalLM. A LoRA model's full weights are its merged
+    ones (`learner.lora.iter_merged_params`), under the same names.
     """
     import deepspeed
     import torch.distributed as dist
+
+    from learner.lora import is_lora, iter_merged_params
+
+    if is_lora(engine):
+        yield from iter_merged_params(engine)
+        return
 
     rank0 = dist.get_rank() == 0
     zero3 = is_zero3(engine)
@@ -219,3 +246,13 @@ def iter_full_params(engine) -> Iterator[tuple[str, torch.Tensor]]:
                     yield name, p.detach().to("cpu", copy=True)
         elif rank0:
             yield name, p.detach().to("cpu", copy=True)
+
+
+def iter_publish_params(engine) -> Iterator[tuple[str, torch.Tensor]]:
+    """What a weight round sends: the LoRA adapter's tensors for a LoRA policy (peft's names, see
+    `learner.lora.iter_adapter_params`), else every parameter (`iter_full_params`). Rank 0 gets
+    them; every rank walks the iterator to the end. `learner.lora.adapter_spec(engine)` says
+    which it is."""
+    from learner.lora import is_lora, iter_adapter_params
+
+    return iter_adapter_params(engine) if is_lora(engine) else iter_full_params(engine)

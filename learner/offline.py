@@ -7,6 +7,9 @@
             log every log_every, evaluate every eval_every, checkpoint every save_every
     evaluate, save the final model (HF format) to save_path
 
+With `lora_rank > 0` the model trains LoRA adapters only (`learner/lora.py`); save_path then holds
+the merged model (HF format) and the adapter in peft's format under `save_path/adapter/`.
+
 A trainer (`sft.py`, `dpo.py`, `rm.py`) gives `run_trainer` its `make_trainer`, which returns a
 `Trainer`: `loss_fn(idx, denom)` and `eval_fn(idx, weights)` over indices into its own example
 lists, and `weight_fn(idx)` (what a step's loss is averaged over: response tokens for SFT, pairs
@@ -35,6 +38,7 @@ import torch
 from learner.checkpoint import restore_latest, save_checkpoint, save_hf
 from learner.datasets import DataStats, Encoded, load_splits, report
 from learner.engine import all_reduce_sum, build_engine, grad_norm, process_group
+from learner.lora import is_lora, save_adapter
 from learner.metrics import MetricsWriter, reduce_across_ranks, say
 from learner.offline_config import OfflineConfig
 
@@ -221,15 +225,19 @@ def fit(cfg: OfflineConfig, trainer: Trainer, data: Data, rank: int, world: int,
                 if cfg.eval_every and step % cfg.eval_every == 0 and step != total:
                     evaluate(step)
                 if cfg.save_every and step % cfg.save_every == 0:
-                    save_checkpoint(run_dir, step, engine, None, cfg.model_path, keep=cfg.keep_checkpoints)
+                    save_checkpoint(run_dir, step, engine, None, cfg.model_path, keep=cfg.keep_checkpoints,
+                                    merged=cfg.lora_save_merged)
                     saved = step
         summary["eval_end"] = evaluate(step)
         summary["train_last"] = last
         summary["train_s"] = time.monotonic() - t_start
         summary["steps_run"] = done
         if cfg.save_every and saved != step:
-            save_checkpoint(run_dir, step, engine, None, cfg.model_path, keep=cfg.keep_checkpoints)
-        save_hf(engine, Path(save_path), cfg.model_path)
+            save_checkpoint(run_dir, step, engine, None, cfg.model_path, keep=cfg.keep_checkpoints,
+                            merged=cfg.lora_save_merged)
+        save_hf(engine, Path(save_path), cfg.model_path)  # with LoRA: merged, and the adapter in adapter/
+        if is_lora(engine):
+            save_adapter(engine, Path(save_path) / "adapter")
         if rank == 0:
             Path(run_dir).mkdir(parents=True, exist_ok=True)
             (Path(run_dir) / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")

@@ -130,6 +130,31 @@ def test_sft_drives_the_loss_down_and_reproduces_a_memorised_answer(tmp_path, ti
     assert right >= 6, f"{right}/8 memorised answers reproduced"
 
 
+def test_sft_with_lora_trains_an_adapter_that_peft_loads(tmp_path, tiny_model_dir):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from learner import sft
+    from learner.modeling import token_logprobs
+
+    rows = [{"prompt": q + " ", "response": a + "\n"} for q, a in MEMORY.items()]
+    data = write_jsonl(rows, tmp_path / "memory.jsonl")
+    cfg = SFTConfig(**common(tmp_path, tiny_model_dir, "sft", dataset=str(data), epochs=10, batch_size=8,
+                             micro_batch_size=8, lr=1e-2, lora_rank=8, lora_alpha=16, save_every=5))
+    out = sft.run(cfg)
+    losses = [r["loss/sft"] for r in read_metrics(tmp_path / "sft") if "loss/sft" in r]
+    assert out["steps_run"] == 10 and losses[-1] < 0.7 * losses[0], losses
+    ids = torch.tensor([[1, 5, 9, 12, 7, 3, 20]])
+    merged = AutoModelForCausalLM.from_pretrained(tmp_path / "sft").eval()  # save_path: the merged model
+    tuned = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(str(tiny_model_dir)),
+                                      str(tmp_path / "sft" / "adapter")).eval()  # ... and the adapter
+    with torch.no_grad():
+        assert torch.allclose(token_logprobs(merged, ids), token_logprobs(tuned, ids), atol=1e-5)
+    # checkpoints hold the adapter (no merged copy unless lora_save_merged)
+    ckpt = tmp_path / "sft" / "checkpoints" / "step_5"
+    assert (ckpt / "adapter" / "adapter_model.safetensors").is_file() and not (ckpt / "model.safetensors").exists()
+
+
 def test_dpo_raises_heldout_preference_accuracy(tmp_path, arithmetic_data):
     from learner import dpo
 

@@ -19,6 +19,7 @@ from weight_sync import buckets as bk
 from weight_sync.client import GeneratorSyncClient, WeightSyncError, ask
 from weight_sync.config import WeightSyncConfig
 from weight_sync.messages import (
+    Adapter,
     Done,
     Go,
     Idle,
@@ -36,7 +37,7 @@ from weight_sync.messages import (
     encode,
     round_info,
 )
-from weight_sync.receiver import RoundMissed, receive_named_tensors
+from weight_sync.receiver import RoundMissed, merge_adapter, receive_named_tensors
 from weight_sync.sender import WeightSender
 from weight_sync.service import SyncState, WeightSyncService
 
@@ -180,6 +181,35 @@ def test_round_info_validation():
     with pytest.raises(ProtocolError) as e:  # a plain map is checked field by field
         round_info({**msgspec.to_builtins(info), "timeout_s": -1.0})
     assert e.value.field == "round_info.timeout_s"
+
+
+def test_an_adapter_round_carries_its_spec_and_merges_from_the_base():
+    spec = Adapter(r=1, lora_alpha=2, target_modules=["proj"])
+    ready = Ready("learner0", 4, "gloo", _manifest(), "10.0.0.1", 29500, adapter=spec)
+    assert decode(encode(ready)) == ready
+    info = _info(adapter=spec)
+    assert round_info(msgspec.to_builtins(info)).adapter == spec  # across collective_rpc, and back
+    with pytest.raises(ProtocolError) as e:
+        decode(msgpack.packb({**msgspec.to_builtins(ready), "adapter": {"r": 0, "lora_alpha": 2,
+                                                                      "target_modules": ["proj"]}}))
+    assert e.value.field == "ready.adapter.r"
+
+    model = torch.nn.Module()
+    model.proj = torch.nn.Linear(2, 2, bias=False)
+    with torch.no_grad():
+        model.proj.weight.copy_(torch.eye(2))
+    base: dict = {}
+
+    def merged(b):
+        named = [("base_model.model.proj.lora_A.weight", torch.tensor([[1.0, 2.0]])),  # (r, in)
+                 ("base_model.model.proj.lora_B.weight", torch.tensor(b))]  # (out, r)
+        assert merge_adapter(model, named, spec, base) == 1
+        return model.proj.weight.tolist()
+
+    # scale = alpha / r = 2; B @ A = [[1, 2], [0, 0]]: W = I + 2 [[1, 2], [0, 0]]
+    assert merged([[1.0], [0.0]]) == [[3.0, 4.0], [0.0, 1.0]]
+    # the next version is merged into the base, not into the previous version: I + 2 [[0, 0], [1, 2]]
+    assert merged([[0.0], [1.0]]) == [[1.0, 0.0], [2.0, 5.0]]
 
 
 def test_config_checks_quote_bad_values():

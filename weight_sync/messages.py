@@ -12,6 +12,10 @@ Who sends what (request -> reply, over DEALER -> the service's ROUTER):
                 round_result -> ack
     anyone:     status_request -> status     (anything malformed -> error)
 
+A version is either the full weights (HF names) or, from a LoRA learner, a LoRA adapter: its
+tensors under peft's names (`base_model.model.<module>.lora_A.weight`, `...lora_B.weight`) and an
+`Adapter` (rank, alpha, modules) on `ready` and `RoundInfo`, which the receiver needs to build it.
+
 `RoundInfo` (inside `round`) is what a generator's engine receives to join a round; it crosses
 vLLM's `collective_rpc` as a plain map (`to_builtins`) and is checked again on the far side
 (`round_info`).
@@ -61,6 +65,20 @@ class Msg(msgspec.Struct, tag_field="type", kw_only=True):
 # ---- the round a generator joins ------------------------------------------------------------
 
 
+class Adapter(msgspec.Struct):
+    """A version that is a LoRA adapter (peft's `adapter_config.json`, the keys a loader needs):
+    the update of module m is (lora_alpha / r) * B_m @ A_m, for every m in target_modules."""
+
+    r: Annotated[int, msgspec.Meta(ge=1, le=1 << 16)]
+    lora_alpha: Annotated[float, msgspec.Meta(gt=0, le=1e9)]
+    target_modules: Annotated[list[Name], msgspec.Meta(min_length=1, max_length=1 << 16)]
+
+    @property
+    def scale(self) -> float:
+        return self.lora_alpha / self.r
+
+
+
 class RoundInfo(msgspec.Struct):
     """One member's view of a round: what to receive, from where, as which group ranks."""
 
@@ -78,6 +96,7 @@ class RoundInfo(msgspec.Struct):
     rank: Annotated[int, msgspec.Meta(ge=0, le=1 << 20)] = 0  # this generator's first group rank
     local_world_size: Workers = 1
     world_size: GroupSize = 1
+    adapter: Adapter | None = None  # the tensors are a LoRA adapter, not the full weights
 
     def __post_init__(self):
         if self.backend == "disk":
@@ -185,6 +204,7 @@ class Ready(Msg, tag="ready"):
     can_catch_up: bool = False  # the sender keeps these weights and serves catch-up rounds
     timeout_s: Timeout = 120.0
     join_timeout_s: Timeout = 10.0
+    adapter: Adapter | None = None  # the tensors are a LoRA adapter, not the full weights
 
     def __post_init__(self):
         if self.backend == "disk" and not self.path:

@@ -8,6 +8,11 @@ are in `weight_sync/round.py`):
 2. wait for attempt k's roster; left out (or `abort`): `RoundMissed`, nothing loaded;
 3. build attempt k's group and receive every bucket from group rank 0;
 4. report `ok` and return the buckets; on a failed broadcast report `err` and wait for attempt k+1.
+
+A round whose `info.adapter` is set carries a LoRA adapter (peft's tensor names): vLLM loads it
+as an adapter from the folder `write_adapter` fills (peft's format); a plain torch model gets it
+merged into its weights by `receive_into_model` (base + scale * B @ A, from the base weights it
+kept at the first adapter round).
 """
 
 from __future__ import annotations
@@ -17,10 +22,13 @@ import time
 from typing import Any
 
 from weight_sync import buckets as bk
-from weight_sync.messages import RoundInfo, round_info
+from weight_sync.messages import Adapter, RoundInfo, round_info
 from weight_sync.round import RoundMissed, RoundStore, dispose
 
-__all__ = ["RoundMissed", "receive_buckets", "receive_named_tensors", "receive_into_model", "load_disk"]
+__all__ = ["RoundMissed", "receive_buckets", "receive_named_tensors", "receive_into_model", "load_disk",
+           "write_adapter", "adapter_modules", "merge_adapter"]
+
+PEFT_PREFIX = "base_model.model."
 
 
 def _sync_device(device) -> None:
@@ -121,10 +129,61 @@ def receive_named_tensors(info: RoundInfo | dict, local_rank: int = 0, device: A
     return bk.unpack(info.manifest, bufs), stats
 
 
-def receive_into_model(model, info: RoundInfo | dict, strict: bool = True) -> dict:
+def write_adapter(named: list, adapter: Adapter, folder: str) -> str:
+    """An adapter round's tensors as peft's format in `folder` (adapter_config.json and
+    adapter_model.safetensors, each written whole, then renamed into place); returns `folder`."""
+    import json
+
+    from safetensors.torch import save_file
+
+    os.makedirs(folder, exist_ok=True)
+    config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": adapter.r, "lora_alpha": adapter.lora_alpha,
+              "target_modules": list(adapter.target_modules), "bias": "none", "lora_dropout": 0.0}
+    tmp = os.path.join(folder, f"adapter_model.safetensors.tmp{os.getpid()}")
+    # clone: safetensors refuses tensors that share storage (the views share their bucket)
+    save_file({n: t.clone() for n, t in named}, tmp, metadata={"format": "pt"})
+    os.replace(tmp, os.path.join(folder, "adapter_model.safetensors"))
+    with open(tmp, "w") as f:
+        json.dump(config, f)
+    os.replace(tmp, os.path.join(folder, "adapter_config.json"))
+    return folder
+
+
+def adapter_modules(named: list) -> dict[str, dict[str, Any]]:
+    """An adapter round's tensors by module: `{"model.layers.0.mlp.up_proj": {"A": (r, in), "B": (out, r)}}`."""
+    out: dict[str, dict[str, Any]] = {}
+    for name, t in named:
+        module, sep, part = name.removeprefix(PEFT_PREFIX).rpartition(".lora_")
+        if not sep or part not in ("A.weight", "B.weight"):
+            raise KeyError(f"adapter tensor {name!r} is not a LoRA A or B weight")
+        out.setdefault(module, {})[part[0]] = t
+    return out
+
+
+def merge_adapter(model, named: list, adapter: Adapter, base: dict) -> int:
+    """Set every adapted weight of `model` to base + scale * B @ A; `base` (the caller's, kept
+    between rounds) gets the original weights at the first call. Returns the weights set."""
+    import torch
+
+    modules = dict(model.named_modules())
+    adapted = adapter_modules(named)
+    with torch.no_grad():
+        for name, ab in adapted.items():
+            if name not in modules or set(ab) != {"A", "B"}:
+                raise KeyError(f"adapter module {name!r}: not in the model, or without both A and B")
+            weight = modules[name].weight
+            w0 = base.setdefault(name, weight.detach().clone())
+            delta = ab["B"].to(weight.device, torch.float32) @ ab["A"].to(weight.device, torch.float32)  # (out, in)
+            weight.copy_((w0.float() + adapter.scale * delta).to(weight.dtype))
+    return len(adapted)
+
+
+def receive_into_model(model, info: RoundInfo | dict, strict: bool = True, base: dict | None = None) -> dict:
     """Receive a round and copy it into a transformers (or any torch) model's parameters/buffers.
 
-    `strict`: every name in the round must exist in the model. Returns stats with `load_s`.
+    `strict`: every name in the round must exist in the model. An adapter round is merged into
+    the weights: `base` is the caller's dict of original weights, kept between rounds (filled at
+    the first). Returns stats with `load_s`.
     """
     import torch
 
@@ -132,6 +191,14 @@ def receive_into_model(model, info: RoundInfo | dict, strict: bool = True) -> di
     device = next(model.parameters()).device
     named, stats = receive_named_tensors(info, 0, "cpu")
     t0 = time.monotonic()
+    if info.adapter is not None:
+        if base is None:
+            raise ValueError(f"round {info.round_id} carries a LoRA adapter: merging it needs the caller's `base` dict")
+        loaded = merge_adapter(model, named, info.adapter, base)
+        stats.update(load_s=time.monotonic() - t0, version=info.version, loaded=loaded)
+        return stats
+    if base is not None:
+        base.clear()  # full weights replace what adapters were merged into
     targets = dict(model.named_parameters())
     targets.update(dict(model.named_buffers()))
     unknown = [n for n, _ in named if n not in targets]

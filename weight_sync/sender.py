@@ -2,6 +2,7 @@
 
     sender = WeightSender.from_config(cfg)                 # cfg: the `weight_sync:` section
     stats = sender.publish(step, model_named_full_tensors)  # HF names, full CPU tensors
+    stats = sender.publish(step, adapter_tensors, adapter={"r": 8, "lora_alpha": 16, "target_modules": [...]})
 
 `publish` never blocks longer than `timeout_s`: it waits `join_timeout_s` at most for the round's
 members to show up (a generator joins at its next poll), broadcasts, and drops any member that has
@@ -42,7 +43,7 @@ from common.channel import Channel
 from weight_sync import buckets as bk
 from weight_sync.client import ask, channel
 from weight_sync.config import WeightSyncConfig
-from weight_sync.messages import Go, Idle, PendingRequest, Ready, RoundResult, RoundStats
+from weight_sync.messages import Adapter, Go, Idle, PendingRequest, Ready, RoundResult, RoundStats
 from weight_sync.round import RoundStore, dispose, store_server
 
 log = logging.getLogger("conveyor.weight_sync.sender")
@@ -122,13 +123,16 @@ class WeightSender:
 
     # ---- the learner's calls ---------------------------------------------------------------
 
-    def publish(self, version: int, named_tensors: Iterable) -> dict:
+    def publish(self, version: int, named_tensors: Iterable, adapter: Adapter | dict | None = None) -> dict:
         """Send version `version` to every registered generator; return the round's stats.
 
         `named_tensors`: (HF name, full CPU tensor) pairs; consumed once (it may be a generator
-        that gathers ZeRO-3 shards as it goes). Never raises for a generator's or the service's
-        failure: those end up in the stats (`failed`, `missed`, `error`).
+        that gathers ZeRO-3 shards as it goes). `adapter`: the tensors are a LoRA adapter (peft's
+        names) of this rank, alpha and modules; None: the full weights. Never raises for a
+        generator's or the service's failure: those end up in the stats (`failed`, `missed`, `error`).
         """
+        if adapter is not None and not isinstance(adapter, Adapter):
+            adapter = msgspec.convert(adapter, Adapter)
         t0 = time.monotonic()
         deadline = t0 + self.timeout_s
         specs, tensors = bk.specs_of(named_tensors)  # the learner's gather happens as this iterates
@@ -149,10 +153,10 @@ class WeightSender:
             stats["pack_s"] = time.monotonic() - t_pack
             self._latest = (version, manifest, buckets) if self.keep_latest and self.backend != "disk" else None
             if self.backend == "disk":
-                return self._finish(self._publish_disk(version, manifest, buckets, stats, deadline), t0)
+                return self._finish(self._publish_disk(version, manifest, buckets, stats, deadline, adapter), t0)
             store = self._server()
             ready = Ready(self.sender_id, version, self.backend, manifest, self.advertise_host, store.port, "",
-                          self.keep_latest, self.timeout_s, self.join_timeout_s)
+                          self.keep_latest, self.timeout_s, self.join_timeout_s, adapter=adapter)
             try:
                 go = ask(self._channel(), ready, timeout_s=max(0.001, deadline - time.monotonic()))
             except Exception as e:  # the service is down or refused: the learner goes on
@@ -372,7 +376,7 @@ class WeightSender:
             sleep = min(sleep * 1.5, 0.005)
 
     def _publish_disk(self, version: int, manifest: bk.Manifest, buckets: list, stats: dict,
-                      deadline: float) -> dict:
+                      deadline: float, adapter: Adapter | None = None) -> dict:
         from safetensors.torch import save_file
 
         t0 = time.monotonic()
@@ -394,7 +398,7 @@ class WeightSender:
         for d in old[:-self.cfg.disk_keep]:
             shutil.rmtree(os.path.join(disk_dir, d), ignore_errors=True)
         ready = Ready(self.sender_id, version, "disk", manifest, "", 0, os.path.abspath(final), False,
-                      self.timeout_s, self.join_timeout_s)
+                      self.timeout_s, self.join_timeout_s, adapter=adapter)
         try:
             go = ask(self._channel(), ready, timeout_s=max(0.001, deadline - time.monotonic()))
         except Exception as e:

@@ -202,7 +202,7 @@ class SyncState:
         info = RoundInfo(r.round_id, r.version, cur.backend, self.cfg.mode, cur.timeout_s, r.catch_up, cur.manifest,
                          bucket_bytes=max(cur.manifest.buckets, default=0), host=cur.host, port=cur.port,
                          path=cur.path, rank=r.next_rank, local_world_size=g.world_size,
-                         world_size=r.next_rank + g.world_size)
+                         world_size=r.next_rank + g.world_size, adapter=cur.adapter)
         r.next_rank += g.world_size
         g.round_id = r.round_id
         return info
