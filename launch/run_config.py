@@ -226,7 +226,7 @@ def finish(run: Run, explicit: dict | None = None) -> None:
         s.max_new_tokens = g.max_new_tokens
     if not is_set(explicit, "learner.temperature"):
         l.temperature = g.temperature if g.temperature > 0 else 1.0
-    if l.kl_coef > 0 and not s.reference:
+    if l.kl_coef > 0 and not s.reference and not l.lora_rank:  # (LoRA: the learner's base is the reference)
         s.reference = l.model_path
     if s.reference and "reference" not in s.kinds:
         s.kinds = [*s.kinds, "reference"]

@@ -2,7 +2,9 @@
 
 Positions: a row is prompt + completion, right-padded to L. Per-token tensors live on the (B, T)
 frame of next-token predictions, T = L - 1: entry t is about token t + 1, predicted by the logits
-at position t (as `learner.modeling.pad_sequences` builds `completion_mask`).
+at position t (as `learner.modeling.pad_sequences` builds `completion_mask`). With
+`learner.packing` on, a micro-batch's forwards run on packed rows (`TrainBatch.packed_rows`), and
+their outputs come back on this frame: nothing downstream sees the packing.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import torch
 
 from buffer.protocol import Batch, ScoredRollout
 from learner.modeling import pad_sequences
+from learner.packing import PackedRows, pack_rows
 
 
 @dataclass
@@ -28,6 +31,7 @@ class TrainBatch:
     versions: torch.Tensor  # (B, T) long, policy version of each completion token (-1 elsewhere)
     rewards: torch.Tensor  # (B,) float32
     group_ids: torch.Tensor  # (B,) long
+    truncated: torch.Tensor  # (B,) bool, the generator stopped at its length limit (finish_reason "length")
     ref_logprobs: torch.Tensor | None = None  # (B, T) float32 under the reference, when scored
     # ---- filled in by the trainer -------------------------------------------------------------
     prox_logprobs: torch.Tensor | None = None  # (B, T) log pi_old, no grad
@@ -60,6 +64,11 @@ class TrainBatch:
             else:
                 out[f.name] = v[idx, : L - 1]
         return TrainBatch(**out)
+
+    def packed_rows(self, capacity: int | None = None) -> PackedRows:
+        """The rows packed without padding into rows of `capacity` (default: the longest), for the
+        forwards (`learner.packing`)."""
+        return pack_rows(self.input_ids, self.attention_mask, capacity)
 
     def to(self, device: torch.device | str) -> "TrainBatch":
         return TrainBatch(**{f.name: None if getattr(self, f.name) is None else getattr(self, f.name).to(device)
@@ -99,6 +108,7 @@ def to_train_batch(scored: list[ScoredRollout], pad_id: int = 0) -> TrainBatch:
         versions=_scatter([s.rollout.versions for s in scored], completion_mask, -1, torch.long),
         rewards=torch.tensor([float(s.reward) for s in scored], dtype=torch.float32),
         group_ids=torch.tensor([int(s.rollout.group_id) for s in scored], dtype=torch.long),
+        truncated=torch.tensor([s.rollout.finish_reason == "length" for s in scored], dtype=torch.bool),
         ref_logprobs=_scatter([s.ref_logprobs for s in scored], completion_mask, 0.0, torch.float32)
         if all(has_ref) else None,
     )
@@ -131,6 +141,14 @@ def staleness_stats(batch: Batch) -> dict[str, float]:
         "buffer/staleness_mean": float(sum(stale) / len(stale)),
         "buffer/staleness_max": float(max(stale)),
     }
+
+
+def score_stats(batch: Batch) -> dict[str, float]:
+    """Mean of each reward component over one share, as `reward/<name>` (`reward/overlong`, ...).
+    Every scorer computes the same components, so every rank has the same keys."""
+    n = max(len(batch.scored), 1)
+    names = sorted({k for s in batch.scored for k in s.scores})
+    return {f"reward/{k}": sum(s.scores.get(k, 0.0) for s in batch.scored) / n for k in names}
 
 
 def buffer_stats(batch: Batch) -> dict[str, float]:

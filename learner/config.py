@@ -77,8 +77,9 @@ class OptimConfig(Section):
     """Module names that get adapters (e.g. `q_proj`, `v_proj`), or `all-linear` (every linear layer
     but the output head)."""
     lora_save_merged: bool = False
-    """Checkpoints also hold the merged model (base + adapter) as a plain HF folder, besides the
-    adapter in peft's format."""
+    """Every checkpoint also holds the merged model (base + adapter) as a plain HF folder, besides
+    the adapter in peft's format (`step_N/adapter/`); off: only the run's final checkpoint (and an
+    offline trainer's save_path) does."""
 
     @field_validator("adam_betas")
     @classmethod
@@ -163,10 +164,13 @@ class LearnerConfig(OptimConfig, WeightSyncAddress, BufferAddress):
     # ---- DAPO overlong filtering and packed batches ----------------------------------------------
     overlong_filter: bool = False
     """DAPO's overlong filtering: completions cut off at the length limit (finish_reason `length`)
-    are masked out of the loss (they still count in the reward statistics)."""
+    are masked out of the loss and its token/sequence counts (they still count in the reward
+    statistics and in their group's advantages); logged as `overlong/filtered_frac`."""
     packing: bool = False
-    """Pack each micro-batch's sequences into one row without padding (position ids restart per
-    sequence, attention stays within it) for the policy and the critic; OpenRLHF's packing_samples."""
+    """Run the policy's and the critic's forwards on packed rows without padding (first-fit
+    decreasing into rows as long as the mini-batch's longest sequence; position ids restart per
+    sequence, attention stays within it); losses and gradients equal the padded ones within float
+    rounding. OpenRLHF's packing_samples. (The reference scorer always packs.)"""
 
     # ---- optimisation -------------------------------------------------------------------------
     ppo_epochs: int = Field(1, ge=1)

@@ -2,6 +2,10 @@
 
 Light on purpose (no DeepSpeed import): the reference scorer computes its log-probs with exactly
 the function the learner trains with, so the KL term compares like with like.
+
+Packing (`learner.packing`): `next_token_stats` and `completion_logprobs` can run the model on a
+batch's sequences packed into rows without padding and hand the results back on the padded frame;
+`next_token_logits` takes the position ids of a packed row directly (the SFT trainer's one row).
 """
 
 from __future__ import annotations
@@ -10,6 +14,8 @@ from typing import Sequence
 
 import torch
 import torch.nn.functional as F
+
+from learner.packing import PackedRows, pack_rows
 
 
 def load_causal_lm(path: str, dtype: str | torch.dtype = "float32", device: str = "cpu"):
@@ -62,8 +68,9 @@ def next_token_logits(model, input_ids: torch.Tensor, attention_mask: torch.Tens
                       position_ids: torch.Tensor | None = None) -> torch.Tensor:
     """(B, L) ids -> (B, L-1, V) logits: position t predicts token t + 1 (grad flows).
 
-    `position_ids` without an attention mask: one packed row of documents (transformers keeps
-    attention inside each document when the positions restart at 0)."""
+    `position_ids` without an attention mask: packed rows of documents (transformers keeps
+    attention inside each document when the positions restart at 0, but only with no cache:
+    hence use_cache=False)."""
     out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False)
     return out.logits[:, :-1]
 
@@ -79,6 +86,30 @@ def token_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor 
     return gather_logprobs(logits, input_ids[:, 1:], temperature)
 
 
+def next_token_stats(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, temperature: float = 1.0,
+                     packed: PackedRows | None = None,
+                     entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Log-probs (B, L-1) of every next token of a right-padded (B, L) batch and, with `entropy`,
+    the entropy (B, L-1) of each prediction at `temperature` (grad flows through both).
+
+    With `packed` (`learner.packing.pack_rows` of this batch) the model runs on the packed rows
+    and both come back on the padded frame, 0 where the padded frame predicts no token of a
+    sequence; on the positions that do, they equal the padded forward's (tests/test_packing.py).
+    Only per-token results are unpacked, never the (., ., V) logits."""
+    if packed is None:
+        logits = next_token_logits(model, input_ids, attention_mask)  # (B, L-1, V)
+        labels, unpack = input_ids[:, 1:], None
+    else:
+        logits = next_token_logits(model, packed.input_ids, position_ids=packed.position_ids)  # (R, C-1, V)
+        labels, unpack = packed.input_ids[:, 1:], packed.unpack_next
+    logprobs = gather_logprobs(logits, labels, temperature)
+    ent = entropy_from_logits(logits / temperature) if entropy else None
+    if unpack is not None:
+        logprobs = unpack(logprobs)
+        ent = unpack(ent) if ent is not None else None
+    return logprobs, ent
+
+
 @torch.no_grad()
 def completion_logprobs(
     model,
@@ -87,14 +118,20 @@ def completion_logprobs(
     temperature: float = 1.0,
     batch_size: int = 16,
     pad_id: int = 0,
+    packing: bool = True,
 ) -> list[torch.Tensor]:
-    """Per-token log-probs of each completion given its prompt: a list of (T_i,) fp32 tensors."""
+    """Per-token log-probs of each completion given its prompt: a list of (T_i,) fp32 tensors.
+
+    `batch_size` sequences per forward; `packing`: packed into rows without padding (equal to the
+    padded forward's within float rounding, and faster on mixed lengths: bench/packing.py)."""
     device = next(model.parameters()).device
     out: list[torch.Tensor] = []
     for i in range(0, len(prompts), batch_size):
         p, c = prompts[i : i + batch_size], completions[i : i + batch_size]
         ids, attn, cmask = pad_sequences(p, c, pad_id)
-        lp = token_logprobs(model, ids.to(device), attn.to(device), temperature=temperature).cpu()  # (B, L-1)
+        ids, attn = ids.to(device), attn.to(device)
+        packed = pack_rows(ids, attn) if packing else None
+        lp = next_token_stats(model, ids, attn, temperature, packed)[0].cpu()  # (B, L-1)
         for b in range(len(p)):
             out.append(lp[b][cmask[b]].clone())
     return out

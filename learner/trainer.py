@@ -3,7 +3,8 @@
 Step N turns the version-N weights into version N + 1:
   1. every rank asks the buffer for its share of step N's batch (whole prompt groups);
   2. the proximal log-probs pi_old (and the critic's old values) are computed with no grad;
-  3. the behaviour correction w = pi_old / mu and the advantages are computed once;
+  3. the behaviour correction w = pi_old / mu, the loss mask (with overlong_filter, truncated
+     completions leave it) and the advantages are computed once;
   4. ppo_epochs x num_mini_batches optimizer steps, each over gradient_accumulation_steps micro-batches;
   5. the weights are now version N + 1: rank 0 tells the buffer, which admits new leases against
      it, and publishes them (every sync_every steps);
@@ -14,6 +15,12 @@ At start (fresh or resumed from the checkpoint at step N), rank 0 publishes the 
 sends the buffer the resume handshake: step N and the groups its ledger says steps 0..N-1
 trained. The buffer puts itself at that point (everything else it served is issued again), so a
 crash anywhere after the checkpoint costs the steps since it, never a group trained twice.
+
+With `packing`, every forward of steps 2 and 4 (policy and critic) runs on the micro-batch's rows
+packed without padding (`learner.packing`; a mini-batch's rows are first re-dealt over its
+micro-batches so that each packs tightly, which leaves the mini-batch's gradient as it was); the
+per-token results come back on the padded (B, T) frame, so losses, advantages and metrics are
+the same code either way.
 
 Losses are normalised over the whole mini-batch of all ranks (token or sequence counts are summed
 over ranks first), so the gradient does not depend on how the batch was split. The pieces every
@@ -38,16 +45,18 @@ from buffer.protocol import Batch
 from common.ready import mark_ready
 from learner.advantages import (broadcast, gae_advantages, grpo_advantages, reinforce_pp_advantages,
                                 rloo_advantages, token_rewards, whiten)
-from learner.batching import (TrainBatch, buffer_stats, mini_batches, split_evenly, staleness_stats,
-                              to_train_batch)
+from learner.batching import (TrainBatch, buffer_stats, mini_batches, score_stats, split_evenly,
+                              staleness_stats, to_train_batch)
 from learner.checkpoint import restore_latest, save_checkpoint
 from learner.config import LearnerConfig
-from learner.engine import (all_reduce_sum, build_critic_engine, build_policy_engine, grad_norm, iter_full_params,
-                            process_group)
+from learner.engine import (all_reduce_sum, build_critic_engine, build_policy_engine, grad_norm,
+                            iter_publish_params, process_group)
 from learner.ledger import Ledger
+from learner.lora import adapter_disabled, adapter_spec, is_lora
 from learner.losses import aggregate, behaviour_correction, kl_penalty, policy_loss, value_loss
 from learner.metrics import MetricsWriter, reduce_across_ranks, say
-from learner.modeling import entropy_from_logits, gather_logprobs, masked_mean, next_token_logits, token_logprobs
+from learner.modeling import masked_mean, next_token_stats
+from learner.packing import PackedRows, regroup
 
 
 def log(msg: str) -> None:
@@ -136,6 +145,7 @@ def train(cfg: LearnerConfig, source, rank: int, world: int, device: torch.devic
             t_save = time.monotonic() - t3
 
             metrics.update(staleness_stats(batch))
+            metrics.update(score_stats(batch))
             metrics.update({"time/wait_for_batch": t_wait, "time/train_step": t_train,
                             "time/publish": t_publish, "time/save": t_save})
             metrics = reduce_across_ranks(metrics, device)
@@ -150,7 +160,7 @@ def train(cfg: LearnerConfig, source, rank: int, world: int, device: torch.devic
             last = metrics
 
         if step > start_step and saved_step != step:
-            checkpoint(cfg, step, policy, critic, ledger)
+            checkpoint(cfg, step, policy, critic, ledger, final=True)
     return last
 
 
@@ -161,79 +171,32 @@ def train(cfg: LearnerConfig, source, rank: int, world: int, device: torch.devic
 def train_step(cfg: LearnerConfig, policy, critic, tb: TrainBatch, step: int, world: int) -> dict[str, float]:
     """Steps 2-4 of the loop on this rank's share `tb`; returns metrics (this rank's; the loop reduces)."""
     grad_accum = cfg.gradient_accumulation_steps
-    n_chunks = cfg.num_mini_batches * grad_accum  # every rank runs this many forwards per pass
-    if cfg.kl_coef > 0 and tb.ref_logprobs is None:
-        raise ValueError(f"learner.kl_coef={cfg.kl_coef} needs ref_logprobs, but step {step}'s rollouts "
-                         f"carry none: run a reference scorer or set kl_coef=0")
-    mask = tb.completion_mask
-
-    # 2. pi_old: the weights at the start of the step, no grad (and the critic's values)
-    tb.prox_logprobs = forward_in_chunks(
-        lambda mb: token_logprobs(policy, mb.input_ids, mb.attention_mask, temperature=cfg.temperature), tb, n_chunks)
-    if critic is not None:
-        tb.old_values = forward_in_chunks(lambda mb: critic(mb.input_ids, mb.attention_mask)[:, :-1], tb, n_chunks)
-
-    # 3. behaviour correction and advantages, fixed for the whole step
-    tb.weights, tb.loss_mask, behav = behaviour_correction(
-        tb.prox_logprobs, tb.behav_logprobs, mask, cfg.behav_correction, cfg.behav_tis_cap,
-        cfg.behav_low, cfg.behav_high, cfg.behav_mask_level)
-    kl_ref = None
-    if tb.ref_logprobs is not None:
-        kl_ref = kl_penalty(tb.prox_logprobs, tb.ref_logprobs, cfg.kl_estimator) * mask  # (B, T)
-    tb.advantages, tb.returns = compute_advantages(cfg, tb, kl_ref, sum_fn=all_reduce_sum if world > 1 else None)
-
-    metrics: dict[str, float] = {
-        "reward/mean": float(tb.rewards.mean()),
-        "reward/std": float(tb.rewards.std()) if tb.size > 1 else 0.0,
-        "advantages/mean": float(masked_mean(tb.advantages, mask)),
-        "advantages/std": float(masked_mean((tb.advantages - masked_mean(tb.advantages, mask)).square(), mask).sqrt()),
-        "policy/kl_to_ref": float(masked_mean(kl_ref, mask)) if kl_ref is not None else 0.0,
-        "perf/tokens": float(tb.attention_mask.sum()),
-        "perf/samples": float(tb.size),
-        "perf/completion_len": float(mask.sum(-1).float().mean()),
-        **{f"policy/{k}": v for k, v in behav.items()},
-    }
+    metrics = prepare_step(cfg, policy, critic, tb, step, world)
 
     # 4. the updates
     sums: dict[str, float] = defaultdict(float)
     grad_norms, critic_grad_norms = [], []
+    lengths = tb.attention_mask.sum(-1).tolist()
     for epoch in range(cfg.ppo_epochs):
         for micro in mini_batches(tb.size, cfg.num_mini_batches, grad_accum, seed=shuffle_seed(cfg, step, epoch)):
             num_tokens, num_seqs = mini_batch_denominators(tb.loss_mask, micro, world, grad_accum)
+            if cfg.packing:  # the same rows, dealt so that each micro-batch packs without gaps
+                micro = regroup(lengths, micro)
+            capacity = max(lengths[i] for idx in micro for i in idx.tolist())
             for idx in micro:
                 mb = tb.select(idx)
-                logits = next_token_logits(policy, mb.input_ids, mb.attention_mask)  # (b, t, V)
-                logprobs = gather_logprobs(logits, mb.input_ids[:, 1:], cfg.temperature)  # (b, t)
-                pg_loss, pg = policy_loss(
-                    logprobs, mb.prox_logprobs, mb.advantages, mb.loss_mask, mb.weights,
-                    cfg.clip_eps_low, cfg.clip_eps_high, cfg.dual_clip_c, cfg.loss_agg, num_tokens, num_seqs)
-                loss = pg_loss
-                if cfg.kl_coef > 0 and cfg.kl_in == "loss":
-                    kl = aggregate(kl_penalty(logprobs, mb.ref_logprobs, cfg.kl_estimator), mb.loss_mask,
-                                   cfg.loss_agg, num_tokens, num_seqs)
-                    loss = loss + cfg.kl_coef * kl
-                    sums["loss/kl"] += kl.item() / grad_accum
-                if cfg.entropy_coef > 0:
-                    ent = aggregate(entropy_from_logits(logits / cfg.temperature), mb.loss_mask,
-                                    cfg.loss_agg, num_tokens, num_seqs)
-                    loss = loss - cfg.entropy_coef * ent
-                    sums["policy/entropy"] += ent.item() / grad_accum
+                packed = packed_rows(cfg, mb, capacity)  # shared by the policy and the critic
+                loss, parts = policy_micro_loss(cfg, policy, mb, packed, num_tokens, num_seqs)
                 policy.backward(loss)
                 policy.step()  # DeepSpeed applies the update at the last micro-batch of the mini-batch
-                sums["loss/policy"] += pg_loss.item() / grad_accum
-                sums["loss/total"] += loss.item() / grad_accum
-                for k, v in pg.items():
-                    sums[f"policy/{k}"] += v / grad_accum
-
                 if critic is not None:
-                    values = critic(mb.input_ids, mb.attention_mask)[:, :-1]  # (b, t)
-                    v_loss, vm = value_loss(values, mb.old_values, mb.returns, mb.loss_mask, cfg.value_clip_eps,
-                                            cfg.loss_agg, num_tokens, num_seqs)
+                    v_loss, vm = value_loss(critic_values(critic, mb, packed), mb.old_values, mb.returns,
+                                            mb.loss_mask, cfg.value_clip_eps, cfg.loss_agg, num_tokens, num_seqs)
                     critic.backward(v_loss)
                     critic.step()
-                    sums["loss/value"] += v_loss.item() / grad_accum
-                    for k, v in vm.items():
-                        sums[f"critic/{k}"] += v / grad_accum
+                    parts.update({"loss/value": v_loss.item(), **{f"critic/{k}": v for k, v in vm.items()}})
+                for k, v in parts.items():
+                    sums[k] += v / grad_accum
             grad_norms.append(grad_norm(policy))
             if critic is not None:
                 critic_grad_norms.append(grad_norm(critic))
@@ -246,6 +209,99 @@ def train_step(cfg: LearnerConfig, policy, critic, tb: TrainBatch, step: int, wo
     if critic is not None:
         metrics["optim/critic_grad_norm"] = sum(critic_grad_norms) / len(critic_grad_norms)
     return metrics
+
+
+def prepare_step(cfg: LearnerConfig, policy, critic, tb: TrainBatch, step: int, world: int) -> dict[str, float]:
+    """Steps 2-3: fills tb's pi_old, old values, weights, loss mask, advantages and returns (fixed
+    for the whole step); returns the step's batch metrics. `policy` and `critic` may be engines or
+    plain modules (no optimizer is touched)."""
+    n_chunks = cfg.num_mini_batches * cfg.gradient_accumulation_steps  # every rank runs this many forwards per pass
+    lora = is_lora(policy)
+    if cfg.kl_coef > 0 and tb.ref_logprobs is None and not lora:
+        raise ValueError(f"learner.kl_coef={cfg.kl_coef} needs ref_logprobs, but step {step}'s rollouts "
+                         f"carry none: run a reference scorer or set kl_coef=0")
+    mask = tb.completion_mask
+
+    # 2. pi_old: the weights at the start of the step, no grad (and the critic's values)
+    chunks = split_evenly(torch.arange(tb.size), n_chunks)
+    longest = int(tb.attention_mask.sum(-1).max())
+    if cfg.packing:
+        chunks = regroup(tb.attention_mask.sum(-1).tolist(), chunks)
+    tb.prox_logprobs = forward_in_chunks(lambda mb: next_token_stats(
+        policy, mb.input_ids, mb.attention_mask, cfg.temperature, packed_rows(cfg, mb, longest))[0], tb, chunks)
+    if critic is not None:
+        tb.old_values = forward_in_chunks(
+            lambda mb: critic_values(critic, mb, packed_rows(cfg, mb, longest)), tb, chunks)
+    if cfg.kl_coef > 0 and tb.ref_logprobs is None and lora:
+        # LoRA: the reference is the frozen base, i.e. this model with its adapter switched off
+        with adapter_disabled(policy):
+            tb.ref_logprobs = forward_in_chunks(lambda mb: next_token_stats(
+                policy, mb.input_ids, mb.attention_mask, cfg.temperature, packed_rows(cfg, mb, longest))[0],
+                tb, chunks)
+
+    # 3. behaviour correction and advantages, fixed for the whole step
+    tb.weights, tb.loss_mask, behav = behaviour_correction(
+        tb.prox_logprobs, tb.behav_logprobs, mask, cfg.behav_correction, cfg.behav_tis_cap,
+        cfg.behav_low, cfg.behav_high, cfg.behav_mask_level)
+    if cfg.overlong_filter:
+        # DAPO: a truncated completion's tokens leave the loss and its denominators; its reward
+        # still counts in its group's advantages and in the reward statistics
+        tb.loss_mask = tb.loss_mask & ~tb.truncated[:, None]  # (B, T)
+    kl_ref = None
+    if tb.ref_logprobs is not None:
+        kl_ref = kl_penalty(tb.prox_logprobs, tb.ref_logprobs, cfg.kl_estimator) * mask  # (B, T)
+    tb.advantages, tb.returns = compute_advantages(cfg, tb, kl_ref, sum_fn=all_reduce_sum if world > 1 else None)
+
+    truncated_frac = float(tb.truncated.float().mean())
+    return {
+        "reward/mean": float(tb.rewards.mean()),
+        "reward/std": float(tb.rewards.std()) if tb.size > 1 else 0.0,
+        "advantages/mean": float(masked_mean(tb.advantages, mask)),
+        "advantages/std": float(masked_mean((tb.advantages - masked_mean(tb.advantages, mask)).square(), mask).sqrt()),
+        "policy/kl_to_ref": float(masked_mean(kl_ref, mask)) if kl_ref is not None else 0.0,
+        "perf/tokens": float(tb.attention_mask.sum()),
+        "perf/samples": float(tb.size),
+        "perf/completion_len": float(mask.sum(-1).float().mean()),
+        "overlong/truncated_frac": truncated_frac,
+        "overlong/filtered_frac": truncated_frac if cfg.overlong_filter else 0.0,
+        **{f"policy/{k}": v for k, v in behav.items()},
+    }
+
+
+def policy_micro_loss(cfg: LearnerConfig, policy, mb: TrainBatch, packed: PackedRows | None,
+                      num_tokens: torch.Tensor, num_seqs: torch.Tensor) -> tuple[torch.Tensor, dict[str, float]]:
+    """One micro-batch's policy loss (PPO + the KL and entropy terms the config asks for), with grad,
+    and its metrics. `packed`: run the forward on mb's packed rows (`mb.packed_rows()`)."""
+    logprobs, entropy = next_token_stats(policy, mb.input_ids, mb.attention_mask, cfg.temperature, packed,
+                                         entropy=cfg.entropy_coef > 0)  # (b, t) each
+    pg_loss, pg = policy_loss(logprobs, mb.prox_logprobs, mb.advantages, mb.loss_mask, mb.weights,
+                              cfg.clip_eps_low, cfg.clip_eps_high, cfg.dual_clip_c, cfg.loss_agg, num_tokens, num_seqs)
+    loss = pg_loss
+    parts = {f"policy/{k}": v for k, v in pg.items()}
+    if cfg.kl_coef > 0 and cfg.kl_in == "loss":
+        kl = aggregate(kl_penalty(logprobs, mb.ref_logprobs, cfg.kl_estimator), mb.loss_mask,
+                       cfg.loss_agg, num_tokens, num_seqs)
+        loss = loss + cfg.kl_coef * kl
+        parts["loss/kl"] = kl.item()
+    if entropy is not None:
+        ent = aggregate(entropy, mb.loss_mask, cfg.loss_agg, num_tokens, num_seqs)
+        loss = loss - cfg.entropy_coef * ent
+        parts["policy/entropy"] = ent.item()
+    parts.update({"loss/policy": pg_loss.item(), "loss/total": loss.item()})
+    return loss, parts
+
+
+def packed_rows(cfg: LearnerConfig, mb: TrainBatch, capacity: int | None = None) -> PackedRows | None:
+    """mb's rows packed without padding into rows of `capacity` (default: mb's longest) when
+    `learner.packing` is on (the forwards then run on them)."""
+    return mb.packed_rows(capacity) if cfg.packing else None
+
+
+def critic_values(critic, mb: TrainBatch, packed: PackedRows | None) -> torch.Tensor:
+    """The critic's value of each state (b, t) on mb's frame (grad flows); `packed`: on packed rows."""
+    if packed is None:
+        return critic(mb.input_ids, mb.attention_mask)[:, :-1]
+    return packed.unpack(critic(packed.input_ids, None, packed.position_ids))[:, :-1]  # (R, C) -> (b, l) -> (b, t)
 
 
 def compute_advantages(cfg: LearnerConfig, tb: TrainBatch, kl_ref: torch.Tensor | None,
@@ -284,10 +340,10 @@ def compute_advantages(cfg: LearnerConfig, tb: TrainBatch, kl_ref: torch.Tensor 
 
 
 @torch.no_grad()
-def forward_in_chunks(fn, tb: TrainBatch, n_chunks: int) -> torch.Tensor:
-    """fn over `n_chunks` slices of the share, reassembled to (B, T) (0 off the completion)."""
+def forward_in_chunks(fn, tb: TrainBatch, chunks: list[torch.Tensor]) -> torch.Tensor:
+    """fn over the share's rows `chunks` (index tensors), reassembled to (B, T) (0 off the completion)."""
     out = torch.zeros(tb.completion_mask.shape, dtype=torch.float32, device=tb.input_ids.device)
-    for idx in split_evenly(torch.arange(tb.size), n_chunks):
+    for idx in chunks:
         v = fn(tb.select(idx)).float()  # (b, t) with t <= T (the slice is trimmed)
         out[idx.to(out.device), : v.shape[1]] = v
     return out * tb.completion_mask
@@ -389,10 +445,11 @@ def ask_for_share(source, step: int, rank: int, world: int, cfg: LearnerConfig, 
 
 
 def publish(sender, policy, version: int, rank: int) -> None:
-    """Rank 0 sends the full weights to the weight-sync service; under ZeRO-3 every rank helps gather."""
-    params = iter_full_params(policy)
+    """Rank 0 sends the weights to the weight-sync service (a LoRA policy: only its adapter); under
+    ZeRO-3 every rank helps gather."""
+    params = iter_publish_params(policy)
     if rank == 0:
-        stats = sender.publish(version, params) or {}
+        stats = sender.publish(version, params, adapter=adapter_spec(policy)) or {}
         if stats.get("error") or stats.get("failed"):
             log(f"weight sync of version {version}: error {stats.get('error')!r}, failed {stats.get('failed')}")
     for _ in params:  # other ranks (and rank 0, if the sender stopped early) finish the gathers
@@ -445,8 +502,10 @@ def weight_sender(cfg: LearnerConfig, weight_sync=None):
                                     timeout_s=cfg.weight_sync_timeout_s)
 
 
-def checkpoint(cfg: LearnerConfig, step: int, policy, critic, ledger: Ledger | None) -> None:
-    """Save step `step` (collective); the ledger lines the checkpoint relies on reach the disk first."""
+def checkpoint(cfg: LearnerConfig, step: int, policy, critic, ledger: Ledger | None, final: bool = False) -> None:
+    """Save step `step` (collective); the ledger lines the checkpoint relies on reach the disk first.
+    A LoRA policy's checkpoint holds the merged HF model too when `lora_save_merged` or `final`."""
     if ledger is not None:
         ledger.sync()
-    save_checkpoint(cfg.run_dir, step, policy, critic, cfg.model_path, keep=cfg.keep_checkpoints)
+    save_checkpoint(cfg.run_dir, step, policy, critic, cfg.model_path, keep=cfg.keep_checkpoints,
+                    merged=cfg.lora_save_merged or final)

@@ -1,6 +1,7 @@
 """One learner step on the tiny model, in-process (a world of one), with rollouts built by hand.
 
-Also home of the helpers the other learner tests use to fabricate rollouts (`make_group`, `ListSource`).
+Also home of the helpers the other learner tests use to fabricate rollouts (`make_group`, `ListSource`)
+and to run a step's policy loss and backward on a plain module (`step_loss_and_grads`).
 """
 
 from __future__ import annotations
@@ -20,12 +21,15 @@ VOCAB_LO, VOCAB_HI = 4, 70  # ordinary character tokens of the tiny tokenizer (i
 
 
 def make_group(group_id: int, n: int, rewards, version: int = 0, seed: int = 0, behav_model=None,
-               with_ref: bool = False, lease_id: int = 0) -> list[ScoredRollout]:
-    """n scored completions of one random prompt. behav_logprobs come from `behav_model` when given
-    (so w = pi_old / mu is 1 at the start), else are random log-probs."""
+               with_ref: bool = False, lease_id: int = 0, truncated=(), completion_len=(2, 9)) -> list[ScoredRollout]:
+    """n scored completions of one random prompt, of lengths in [completion_len[0], completion_len[1]).
+    behav_logprobs come from `behav_model` when given (so w = pi_old / mu is 1 at the start), else
+    are random log-probs. The samples whose index is in `truncated` end with finish_reason `length`,
+    the others with `stop`."""
     rng = np.random.default_rng(seed * 100_003 + group_id)
     prompt = rng.integers(VOCAB_LO, VOCAB_HI, size=int(rng.integers(3, 7))).astype(np.int32)
-    completions = [rng.integers(VOCAB_LO, VOCAB_HI, size=int(rng.integers(2, 9))).astype(np.int32) for _ in range(n)]
+    completions = [rng.integers(VOCAB_LO, VOCAB_HI, size=int(rng.integers(*completion_len))).astype(np.int32)
+                   for _ in range(n)]
     if behav_model is not None:
         from learner.modeling import completion_logprobs
 
@@ -36,10 +40,39 @@ def make_group(group_id: int, n: int, rewards, version: int = 0, seed: int = 0, 
     for i, c in enumerate(completions):
         r = Rollout(group_id=group_id, sample_index=i, lease_id=lease_id, prompt_ids=prompt, completion_ids=c,
                     behav_logprobs=behav[i], versions=np.full(len(c), version, dtype=np.int32),
-                    finish_reason="length", worker_id="test")
+                    finish_reason="length" if i in truncated else "stop", worker_id="test")
         ref = (behav[i] - np.float32(0.05)) if with_ref else None
         out.append(ScoredRollout(rollout=r, reward=float(rewards[i]), ref_logprobs=ref))
     return out
+
+
+def step_loss_and_grads(model, cfg: LearnerConfig, tb, grad_accum: int = 1):
+    """Steps 2-3 of a learner step on a copy of `tb`, then one mini-batch of all its rows in
+    `grad_accum` micro-batches (dealt by `regroup` with packing, as the learner does) through the
+    policy loss and backward, on a plain module (no DeepSpeed). -> (the filled copy, the step's
+    metrics, the summed loss, the first micro-batch's loss metrics, every parameter's gradient)."""
+    import copy
+
+    from learner.batching import split_evenly
+    from learner.packing import regroup
+    from learner.trainer import mini_batch_denominators, packed_rows, policy_micro_loss, prepare_step
+
+    b = copy.copy(tb)
+    metrics = prepare_step(cfg, model, None, b, step=0, world=1)
+    micro = split_evenly(torch.arange(b.size), grad_accum)
+    num_tokens, num_seqs = mini_batch_denominators(b.loss_mask, micro, world=1, grad_accum=grad_accum)
+    if cfg.packing:
+        micro = regroup(b.attention_mask.sum(-1).tolist(), micro)
+    model.zero_grad()
+    total, first = 0.0, None
+    for idx in micro:  # the gradients accumulate, as DeepSpeed's do over a mini-batch
+        mb = b.select(idx)
+        packed = packed_rows(cfg, mb, int(b.attention_mask.sum(-1).max()))
+        loss, parts = policy_micro_loss(cfg, model, mb, packed, num_tokens, num_seqs)
+        (loss / grad_accum).backward()
+        total, first = total + loss.detach() / grad_accum, first or parts
+    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+    return b, metrics, total, first, grads
 
 
 class ListSource:
@@ -167,7 +200,7 @@ def published(monkeypatch) -> list:
         def __init__(self, host, port, timeout_s):
             self.address = (host, port)
 
-        def publish(self, version, named_tensors):
+        def publish(self, version, named_tensors, adapter=None):
             out.append((version, {name: t.clone() for name, t in named_tensors}))
             return {}
 
@@ -234,3 +267,66 @@ def test_the_learners_weight_sync_address_wins_over_the_section(tmp_path):
         assert sender.backend == "disk" and sender.bucket_bytes == 8 << 20
     finally:
         sender.close()
+
+
+def test_overlong_filter_gives_truncated_responses_zero_gradient(tiny_model_dir):
+    """DAPO's overlong filtering: with sample 1 of a group truncated (finish_reason `length`), rewriting
+    that sample's completion leaves every gradient as it was; without the filter it does not. The
+    truncated reward still counts in its group's advantages; a batch of truncated rows alone gets
+    no gradient at all."""
+    import copy
+
+    from learner.advantages import grpo_advantages
+    from learner.modeling import load_causal_lm
+
+    model = load_causal_lm(str(tiny_model_dir))
+    rewards = [1.0, 0.0, 0.5, 0.2]
+    tb = to_train_batch(make_group(0, 4, rewards, truncated=(1,)))
+    other = copy.copy(tb)  # the truncated completion rewritten: other tokens, other behaviour log-probs
+    row = tb.completion_mask[1]
+    other.input_ids = tb.input_ids.clone()
+    other.input_ids[1, 1:][row] = (tb.input_ids[1, 1:][row] - 4 + 7) % 66 + 4
+    other.behav_logprobs = tb.behav_logprobs.clone()
+    other.behav_logprobs[1][row] -= 0.3
+
+    def step_grads(batch, overlong_filter: bool):
+        cfg = LearnerConfig(model_path="m", advantage_estimator="grpo", overlong_filter=overlong_filter)
+        b, metrics, _, _, grads = step_loss_and_grads(model, cfg, batch)
+        return list(grads.values()), b, metrics
+
+    grads, b, metrics = step_grads(tb, True)
+    assert metrics["overlong/truncated_frac"] == 0.25 and metrics["overlong/filtered_frac"] == 0.25
+    assert not b.loss_mask[1].any() and b.loss_mask[0].any()
+    expect = grpo_advantages(torch.tensor(rewards), torch.zeros(4, dtype=torch.long))  # all four rewards count
+    assert torch.allclose(b.advantages[0][b.completion_mask[0]], expect[0].expand(int(b.completion_mask[0].sum())))
+    rewritten, _, _ = step_grads(other, True)
+    assert all(torch.equal(g, h) for g, h in zip(grads, rewritten))
+    unfiltered, _, m_off = step_grads(tb, False)
+    assert m_off["overlong/truncated_frac"] == 0.25 and m_off["overlong/filtered_frac"] == 0.0
+    assert not all(torch.equal(g, h) for g, h in zip(unfiltered, step_grads(other, False)[0]))
+
+    only_truncated = to_train_batch(make_group(1, 3, [1.0, 0.0, 0.5], truncated=(0, 1, 2)))
+    assert all(float(g.abs().max()) == 0.0 for g in step_grads(only_truncated, True)[0])
+
+
+def test_a_packed_step_trains_policy_and_critic(tiny_model_dir, tmp_path):
+    """learner.packing with PPO (the policy and the critic forward on packed rows) and overlong
+    filtering: one step gives finite losses, moves the weights and logs the overlong metrics."""
+    import math
+
+    from safetensors.torch import load_file
+
+    from learner.trainer import run
+
+    scored = (make_group(0, 4, [1.0, 0.0, 0.5, 0.2], truncated=(3,), completion_len=(1, 41))
+              + make_group(1, 4, [0.0, 0.3, 1.0, 1.0], completion_len=(1, 41)))
+    cfg = LearnerConfig(model_path=str(tiny_model_dir), run_dir=str(tmp_path / "run"), total_steps=1, lr=1e-3,
+                        advantage_estimator="gae", critic_lr=1e-3, packing=True, overlong_filter=True,
+                        gradient_accumulation_steps=2, zero_stage=2, tensorboard=False)
+    last = run(cfg, source=ListSource({0: scored}))
+    assert all(math.isfinite(last[k]) for k in ("loss/policy", "loss/value", "optim/grad_norm"))
+    assert last["optim/grad_norm"] > 0 and last["optim/critic_grad_norm"] > 0
+    assert last["overlong/truncated_frac"] == 0.125 and last["overlong/filtered_frac"] == 0.125
+    initial = load_file(str(tiny_model_dir / "model.safetensors"))
+    trained = load_file(str(tmp_path / "run" / "checkpoints" / "step_1" / "model.safetensors"))
+    assert any(not torch.equal(initial[n], trained[n]) for n in initial)

@@ -110,3 +110,20 @@ def test_adapter_rounds_make_vllm_serve_the_merged_checkpoint(tiny_model_dir, tm
         # (8x256 + 128x8) = 17,408 parameters; 2 blocks, fp32
         assert line["bytes"] == 2 * 17_408 * 4
     assert lines[1]["vllm"] != base_out  # the adapter changed what is served
+
+
+def test_lora_kl_reference_comes_from_the_base_inside_the_learner(tiny_model_dir, tmp_path):
+    """With kl_coef > 0 and rollouts that carry no reference log-probs, a LoRA learner takes them from
+    its own base (adapter off): the KL is 0 while the adapter is still zero, and grows as it trains."""
+    from learner.trainer import run
+
+    steps = {s: make_group(2 * s, 4, [1.0, 0.0, 0.5, 0.2], seed=s) + make_group(2 * s + 1, 4, [0.0, 1.0, 1.0, 0.3], seed=s)
+             for s in range(3)}
+    run_dir = tmp_path / "kl"
+    run(lora_config(tiny_model_dir, run_dir, total_steps=3, zero_stage=2, kl_coef=0.1, packing=True),
+        source=ListSource(steps))
+    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    kl = [r["policy/kl_to_ref"] for r in rows]
+    assert len(rows) == 3 and kl[0] == 0.0 and kl[-1] > 0, kl  # B starts at 0: the policy is the base
+    assert all(r["loss/kl"] >= 0 for r in rows)
+    assert (run_dir / "checkpoints" / "step_3" / "config.json").is_file()  # the final one holds the merged model
