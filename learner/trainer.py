@@ -133,9 +133,9 @@ def train(cfg: LearnerConfig, source, rank: int, world: int, device: torch.devic
                 ledger.append(trained_step, groups)
                 # before the publish: a generator holding version `step` must find the buffer there already
                 tell_version(source, step)
-            t2 = time.monotonic()
+            t2, synced = time.monotonic(), {}
             if cfg.weight_sync_port and step % cfg.sync_every == 0:
-                publish(sender, policy, step, rank)
+                synced = publish(sender, policy, step, rank)
             t_publish = time.monotonic() - t2
 
             t3 = time.monotonic()
@@ -151,6 +151,8 @@ def train(cfg: LearnerConfig, source, rank: int, world: int, device: torch.devic
             metrics = reduce_across_ranks(metrics, device)
             metrics["perf/tokens_per_s"] = metrics["perf/tokens"] / max(metrics["time/train_step"], 1e-9)
             if rank == 0:
+                if synced.get("bytes"):
+                    metrics["sync/bytes"] = float(synced["bytes"])  # (a LoRA policy sends its adapter only)
                 # the buffer's own numbers are rank 0's share's (their keys may differ between ranks)
                 for k, v in buffer_stats(batch).items():
                     metrics.setdefault(k, v)
@@ -444,16 +446,18 @@ def ask_for_share(source, step: int, rank: int, world: int, cfg: LearnerConfig, 
     return Share(Outcome.OK if enough else Outcome.SHORT, batch)
 
 
-def publish(sender, policy, version: int, rank: int) -> None:
+def publish(sender, policy, version: int, rank: int) -> dict:
     """Rank 0 sends the weights to the weight-sync service (a LoRA policy: only its adapter); under
-    ZeRO-3 every rank helps gather."""
+    ZeRO-3 every rank helps gather. Returns the round's stats on rank 0 (`bytes`, ...), else {}."""
     params = iter_publish_params(policy)
+    stats: dict = {}
     if rank == 0:
         stats = sender.publish(version, params, adapter=adapter_spec(policy)) or {}
         if stats.get("error") or stats.get("failed"):
             log(f"weight sync of version {version}: error {stats.get('error')!r}, failed {stats.get('failed')}")
     for _ in params:  # other ranks (and rank 0, if the sender stopped early) finish the gathers
         pass
+    return stats
 
 
 def step_group_ids(batch, world: int, device: torch.device) -> list[int]:

@@ -246,3 +246,36 @@ def test_openrlhf_recipe_flags_old_and_dotted_map_to_the_same_keys(tmp_path):
         load_run_config(DEMO_YAML, base + ["--overlong_buffer_len", "64"])
     with pytest.raises(ConfigError, match="dynamic_filtering_range"):
         load_run_config(DEMO_YAML, base + ["--dynamic_filtering_reward_range", "1", "0"])
+
+
+@pytest.mark.slow
+def test_recipes_run_lora_kl_packing_overlong_and_dynamic_sampling(warm_setup):
+    """The recipes together through the local launcher: LoRA (its base as the KL reference, adapter-only
+    weight rounds into vLLM), packed batches, overlong filtering and punishment, dynamic sampling."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    run_dir = warm_setup["dir"] / "recipes_run"
+    proc = launch_local(run_dir, warm_setup, "--learner.total_steps", "6", "--learner.save_every", "0",
+                        "--lora_rank", "8", "--init_kl_coef", "0.01", "--packing_samples", "--learner.lr", "2e-3",
+                        "--learner.overlong_filter", "true", "--overlong_buffer_len", "2",
+                        "--dynamic_filtering", "--dynamic_filtering_reward_range", "0", "1")
+    out = proc.communicate(timeout=600)[0]
+    assert proc.returncode == 0, out[-4000:]
+    rows = metrics(run_dir)
+    assert [r["step"] for r in rows] == list(range(6)), out[-2000:]
+    resolved = (run_dir / "config.yaml").read_text()
+    assert "- reference" not in resolved  # no reference scorer: the learner's base serves
+    assert rows[0]["policy/kl_to_ref"] == 0.0 and rows[-1]["policy/kl_to_ref"] > 0  # the adapter starts at 0
+    full = sum(p.stat().st_size for p in Path(warm_setup["warm"]).glob("*.safetensors"))
+    sent = [r["sync/bytes"] for r in rows if "sync/bytes" in r]
+    assert sent and max(sent) < full / 10, (sent, full)  # every round carried the adapter only
+    for r in rows:
+        assert r["reward/overlong"] <= 0 and 0 <= r["overlong/filtered_frac"] == r["overlong/truncated_frac"] <= 1
+        assert r["buffer/filtered"] >= 0 and r["reward/std"] > 0  # no constant-reward step
+    # the final checkpoint: the adapter in peft's format and the merged model, which transformers loads
+    final = run_dir / "checkpoints" / "step_6"
+    assert (final / "adapter" / "adapter_config.json").is_file()
+    merged = AutoModelForCausalLM.from_pretrained(str(final), dtype=torch.float32)
+    base = AutoModelForCausalLM.from_pretrained(str(warm_setup["warm"]), dtype=torch.float32)
+    assert any(not torch.equal(a, b) for a, b in zip(merged.parameters(), base.parameters()))
