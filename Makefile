@@ -48,6 +48,8 @@ bench: install
 	$(PY) bench/async_vs_sync.py
 	$(PY) bench/state_log.py
 	$(PY) bench/chaos.py
+	$(PY) bench/recipes.py
+	$(PY) bench/dynamic_sampling.py
 
 clean:
 	rm -rf $(VENV) runs/ .pytest_cache
