@@ -16,7 +16,8 @@ Three runs, each with a producer and a consumer process (multiprocessing, spawn 
           throttling), lease checks, per-rollout validation, group completion and batch assembly
           all run as in training.
   raw     the same producer code sends the same frames (same sizes, same envelope) over a bare
-          PUSH/PULL pair, and the consumer decodes each message with `protocol.decode`, as
+          PUSH/PULL pair, and the consumer receives each message as `BufferClient` receives a
+          reply (`common.channel.recv_frames`) and decodes it with `protocol.decode`, as
           `get_batch` does: the two runs differ by the buffer hop only. `ratio` compares these.
   raw_recv_only   the same, with a consumer that only receives: the bare transport.
 
@@ -29,13 +30,16 @@ whole process, `buffer_loop` for its main thread, the Python loop; the differenc
 thread moving the bytes), and the control requests per rollout: wall-clock figures on a shared
 machine move with the load, CPU per rollout much less.
 
-Why the ratio cannot approach 1: the buffer hop receives every rollout and sends it again, and
-moving 12 KiB through ZeroMQ costs about as much CPU as receiving it at the far end; the buffer
-process also checks every rollout once. On a 2-core machine the three processes of the buffer
-path share the cores that the two processes of the raw path have to themselves.
+Why the ratio stays under 0.5 where the CPUs are the limit (as on a 2-core machine, where both
+runs keep both cores busy): the buffer path is the raw path twice over. Producer -> buffer is one
+hop (a send, a receive and a check of every rollout), buffer -> consumer another (a send, a
+receive and a decode), and each costs about what the raw path costs in all; the buffer's
+bookkeeping and the control requests come on top. So `cpu_ratio`, the raw path's CPU per rollout
+over the buffer path's (all processes), bounds `ratio` under load: it is what `ratio` is when
+both runs are CPU-bound, and it moves much less with other load on the machine.
 
 Progress goes to stderr; the last line on stdout is one JSON object:
-`{"rollouts_per_s", "raw_rollouts_per_s", "ratio", "tokens_per_rollout", "n", ...}`.
+`{"rollouts_per_s", "raw_rollouts_per_s", "ratio", "cpu_ratio", "tokens_per_rollout", "n", ...}`.
 """
 
 from __future__ import annotations
@@ -198,6 +202,7 @@ def consume_raw(port: int, total: int, warmup: int, decode_items: bool, out) -> 
     import zmq
 
     from buffer.protocol import decode
+    from common.channel import recv_frames
 
     pull = zmq.Context.instance().socket(zmq.PULL)
     pull.setsockopt(zmq.RCVHWM, 1000)
@@ -207,7 +212,7 @@ def consume_raw(port: int, total: int, warmup: int, decode_items: bool, out) -> 
     cpu0 = time.process_time()
     got = 0
     while got < total:
-        frames = pull.recv_multipart()
+        frames = [f.buffer for f in recv_frames(pull)]  # as the buffer's client receives a reply
         got += len(decode(frames).scored) if decode_items else len(frames) - 1
         meter.add(got)
     meter.done(got)
@@ -334,6 +339,7 @@ def main(argv=None) -> None:
                       "ratio": round(rate / raw, 3), "tokens_per_rollout": args.tokens, "n": n,
                       "raw_recv_only_rollouts_per_s": round(recv_only),
                       "ratio_to_recv_only": round(rate / recv_only, 3),
+                      "cpu_ratio": round(_total(raw_cpu) / _total(cpu), 3),
                       "cpu_us_per_rollout": {"buffer_path": _round(cpu), "raw": _round(raw_cpu),
                                              "raw_recv_only": _round(recv_cpu)},
                       "load_avg_1m": os.getloadavg()[0]}))
@@ -341,6 +347,11 @@ def main(argv=None) -> None:
 
 def _fmt(cpu: dict) -> str:
     return ", ".join(f"{k} {v:.1f}" for k, v in sorted(cpu.items()))
+
+
+def _total(cpu: dict) -> float:
+    """CPU per rollout of all the processes (`buffer_loop` is part of `buffer`)."""
+    return sum(v for k, v in cpu.items() if k != "buffer_loop")
 
 
 def _round(cpu: dict) -> dict:

@@ -38,7 +38,7 @@ from buffer.protocol import (
     decode,
     encode,
 )
-from common.channel import Channel
+from common.channel import Channel, recv_frames, send_frames
 
 
 class BufferError(RuntimeError):
@@ -149,11 +149,11 @@ class BufferClient:
 
     def push_rollouts(self, rollouts: Sequence[Rollout]) -> None:
         """Generator -> scorers, through the buffer's relay. Blocks when the scorers fall behind."""
-        self._push("relay_in").send_multipart(encode(RolloutsMsg(list(rollouts))), copy=False)
+        send_frames(self._push("relay_in"), encode(RolloutsMsg(list(rollouts))))
 
     def push_scored(self, scored: Sequence[ScoredRollout]) -> None:
         """Scorer -> buffer, fire-and-forget over PUSH (TCP delivers it while both ends live)."""
-        self._push("ingest").send_multipart(encode(ScoredMsg(list(scored))), copy=False)
+        send_frames(self._push("ingest"), encode(ScoredMsg(list(scored))))
 
     def pull_rollouts(self, timeout_s: float = 1.0) -> list[Rollout]:
         """Scorer side: the next message of raw rollouts, or [] after `timeout_s`.
@@ -168,8 +168,7 @@ class BufferClient:
             self._pull_rollouts = s
         if not self._pull_rollouts.poll(int(timeout_s * 1000), zmq.POLLIN):
             return []
-        frames = self._pull_rollouts.recv_multipart(copy=False)
-        msg = decode([f.buffer for f in frames], self.limits)
+        msg = decode([f.buffer for f in recv_frames(self._pull_rollouts)], self.limits)
         if not isinstance(msg, RolloutsMsg):
             raise ProtocolError("envelope.type", f"expected rollouts on the relay, got {type(msg).__name__}")
         return msg.rollouts

@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 
-@dataclass
+@dataclass(slots=True)
 class Sample:
     """An accepted scored rollout: its wire bytes (served as they came) and what batching needs."""
 

@@ -7,9 +7,12 @@
 
 `BufferService.run` is the loop; `buffer/state.py` holds the bookkeeping it drives (admission,
 leases, groups, batches) and `buffer/store.py` what it keeps on disk. A scored rollout is checked
-once, by decoding it into its type as a learner will (`scored_meta`); its frame is kept as
-received (the `zmq.Frame` itself: nothing is copied out of it) and served to the learner as it
-came (`protocol.encode_batch`), never encoded again. Relayed messages go on as received too.
+once, by its type, as a learner will decode it (`scored_meta`: `protocol.check_scored` accepts
+and refuses what `decode_item` does, without building the arrays the buffer never reads); its
+frame is kept as received (the `zmq.Frame` itself: nothing is copied out of it) and served to the
+learner as it came (`protocol.encode_batch`), never encoded again. Relayed messages go on as
+received too, and every socket is read and written part by part without copies
+(`common.channel.recv_frames`, `send_frames`).
 
 Nothing a peer sends can stop the loop: a malformed request gets an `Error` reply naming the field,
 a malformed stream message is dropped and counted (`buffer/malformed`), an unexpected exception in
@@ -21,6 +24,7 @@ what libzmq cannot bound (a multipart message that never ends).
 
 from __future__ import annotations
 
+import gc
 import logging
 import signal
 import threading
@@ -46,9 +50,9 @@ from buffer.protocol import (
     Resume,
     SetVersion,
     Wait,
+    check_scored,
     decode,
     decode_envelope,
-    decode_item,
     encode,
     encode_batch,
     short,
@@ -57,6 +61,7 @@ from buffer.prompts import load_prompts
 from buffer.groups import RequestError, Sample
 from buffer.state import BufferState
 from buffer.store import StateStore
+from common.channel import recv_frames, send_frames
 from common.guards import MemoryGuard, WarnLimiter, rss_bytes
 from common.ready import mark_ready
 
@@ -96,8 +101,8 @@ class ScoredMeta(NamedTuple):
 
 def scored_meta(frame: bytes, where: str, limits: Limits = DEFAULT_LIMITS) -> ScoredMeta:
     """The bookkeeping fields of a valid scored-rollout frame (checked whole by its type, as a learner
-    will decode it); `ProtocolError` naming the field for an invalid one."""
-    s = decode_item(frame, "scored", where, limits)
+    will decode it, but for building its arrays); `ProtocolError` naming the field for an invalid one."""
+    s = check_scored(frame, where, limits)
     r = s.rollout
     lo, hi = r.version_range() or (None, None)
     return ScoredMeta(r.group_id, r.sample_index, r.lease_id, s.failed, lo, s.reward, s.error, hi)
@@ -206,6 +211,9 @@ class BufferService:
                 signal.signal(sig, self._on_signal)
             # two of the biggest messages may be on their way in at once; past that, see MemoryGuard
             self.memory = MemoryGuard(2 * self.limits.max_message_bytes)
+            # what exists now (modules, config, the prompts) lives as long as the process: left out of
+            # the collector's passes, each pass costs what the rollouts in flight cost, not the dataset
+            gc.freeze()
         print("buffer ready " + " ".join(f"{k}={v}" for k, v in self.endpoints.items()), flush=True)
         mark_ready("buffer", **self.endpoints)
         log.info("serving %d prompts x %d epochs, %d groups of %d per step, max_staleness %d%s",
@@ -244,7 +252,7 @@ class BufferService:
     def _drain(self, sock: zmq.Socket, handle) -> None:
         for _ in range(DRAIN):
             try:
-                frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
+                frames = recv_frames(sock, zmq.NOBLOCK)
             except zmq.Again:
                 return
             self._guarded(handle, frames)
@@ -278,7 +286,7 @@ class BufferService:
                 self.warnings.warn("internal", "internal error while serving a request", exc_info=True)
                 reply = encode(Error(f"internal error in the buffer: {type(e).__name__}: {str(e)[:200]}"))
         # a ROUTER never blocks: a reply to a peer past its SNDHWM (it does not read) is dropped
-        self.control.send_multipart([identity, b"", *reply], zmq.NOBLOCK, copy=False)
+        send_frames(self.control, [identity, b"", *reply], zmq.NOBLOCK)
 
     def handle_request(self, body: Sequence) -> list:
         """The reply frames to one request (the frames after the delimiter)."""
@@ -380,7 +388,7 @@ class BufferService:
         for _ in range(DRAIN):
             if self._relay_pending is None:
                 try:
-                    frames = self.relay_in.recv_multipart(zmq.NOBLOCK, copy=False)
+                    frames = recv_frames(self.relay_in, zmq.NOBLOCK)
                 except zmq.Again:
                     return
                 try:
@@ -392,7 +400,7 @@ class BufferService:
                     continue
                 self._relay_pending = frames
             try:
-                self.relay_out.send_multipart(self._relay_pending, zmq.NOBLOCK, copy=False)
+                send_frames(self.relay_out, self._relay_pending, zmq.NOBLOCK)
             except zmq.Again:
                 return
             self.state.counters["relayed"] += 1

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import heapq
 import logging
+import math
 from collections import Counter, deque
 
 from buffer.config import BufferConfig
@@ -77,6 +78,9 @@ class BufferState:
         self.pending: dict[int, PendingGroup] = {}  # group id -> group leased and not complete
         self.leases: dict[int, Lease] = {}
         self.ready: list[ReadyGroup] = []  # heap, oldest group id first
+        # no group in `ready` has a token older than this (a lower bound, exact after each stale sweep):
+        # while the stale floor is below it, moving the version needs no sweep of every queued group
+        self.oldest_ready = math.inf
         self.batches: dict[int, StepBatch] = {}  # step -> batch not yet released
         self.released_steps: set[int] = set()
         self.next_step = 0  # one past the newest step a batch was assembled for
@@ -276,7 +280,7 @@ class BufferState:
             # too old for the step the learner is at, so for every step it will ask for
             self._drop([group.group_id], "dropped_stale")
             return
-        heapq.heappush(self.ready, group)
+        self._queue(group)
         while len(self.ready) > self.cfg.max_queued_groups:
             self._drop([heapq.heappop(self.ready).group_id], "dropped_overflow")
 
@@ -293,11 +297,18 @@ class BufferState:
         # Drop what is now too old as soon as the version moves, not when a batch is assembled:
         # each drop frees an admission slot for a fresh group.
         floor = self.version - self.cfg.max_staleness
+        if self.oldest_ready >= floor:
+            return
         stale = [g for g in self.ready if g.min_version < floor]
         if stale:
             self.ready = [g for g in self.ready if g.min_version >= floor]
             heapq.heapify(self.ready)
             self._drop([g.group_id for g in stale], "dropped_stale")
+        self.oldest_ready = min((g.min_version for g in self.ready), default=math.inf)
+
+    def _queue(self, group: ReadyGroup) -> None:
+        heapq.heappush(self.ready, group)
+        self.oldest_ready = min(self.oldest_ready, group.min_version)
 
     # ---- resume ----------------------------------------------------------------------------
 
@@ -336,6 +347,7 @@ class BufferState:
         self.requeue = deque(again)  # oldest first
         self.ready = kept
         heapq.heapify(self.ready)
+        self.oldest_ready = -math.inf  # (swept below)
         self.next_group = top
         self.next_step = step
         self.version = step
@@ -479,5 +491,5 @@ class BufferState:
         self.requeue.extend(saved.open_groups)
         for gid, samples in sorted(groups.items()):
             if gid not in self.dropped:
-                heapq.heappush(self.ready, ReadyGroup(gid, samples))  # judged (stale or not) at `resume`
+                self._queue(ReadyGroup(gid, samples))  # judged (stale or not) at `resume`
         self.awaiting_resume = True

@@ -44,6 +44,7 @@ from buffer.config import fsync_policy
 log = logging.getLogger("buffer.store")
 
 LOG_NAME = "buffer.log"
+_IOV_MAX = os.sysconf("SC_IOV_MAX") if "SC_IOV_MAX" in os.sysconf_names else 16  # buffers one writev takes
 
 
 class StateLocked(RuntimeError):
@@ -211,19 +212,35 @@ class StateStore:
         self._size = self._base_bytes = self.path.stat().st_size
 
     def _append(self, rec: list) -> None:
-        data = _pack(rec)
-        self._f.write(data)  # unbuffered: in the OS before the request that caused it is answered
-        self._size += len(data)
+        self._write([_pack(rec)])
+
+    def _write(self, parts: list) -> None:
+        """Append one record's bytes, `parts` in order, in a system call per IOV_MAX parts
+        (unbuffered: in the OS before the request that caused it is answered)."""
+        fd = self._f.fileno()
+        for i in range(0, len(parts), _IOV_MAX):
+            chunk = parts[i:i + _IOV_MAX]
+            done, want = os.writev(fd, chunk), sum(map(len, chunk))
+            if done < want:  # (a short write: a signal, a full disk) the rest, or OSError
+                rest = b"".join(map(bytes, chunk))[done:]
+                while rest:
+                    rest = rest[os.write(fd, rest):]
+            self._size += want
         self._dirty = True
         if self.fsync_every == 0.0:
-            os.fsync(self._f.fileno())
+            os.fsync(fd)
             self._dirty = False
 
     def lease(self, lease_id: int, group_ids: list[int]) -> None:
         self._append(["lease", lease_id, group_ids])
 
     def group(self, group_id: int, frames: list) -> None:
-        self._append(["group", group_id, frames])
+        # the msgpack of ["group", group_id, frames], written from where the frames lie: packing them
+        # would copy every accepted rollout once more
+        parts = [_GROUP_HEAD + msgpack.packb(group_id) + _array_header(len(frames))]
+        for f in frames:
+            parts += (_bin_header(len(f)), f)
+        self._write(parts)
 
     def served(self, step: int, group_ids: list[int]) -> None:
         self._append(["served", step, group_ids])
@@ -257,6 +274,19 @@ class StateStore:
                 os.fsync(self._f.fileno())
             self._f.close()
             self._f = None
+
+
+_GROUP_HEAD = b"\x93" + msgpack.packb("group")  # a 3-array, then its first item
+
+
+def _array_header(n: int) -> bytes:
+    return bytes([0x90 | n]) if n < 16 else b"\xdc" + n.to_bytes(2, "big") if n < 1 << 16 else \
+        b"\xdd" + n.to_bytes(4, "big")
+
+
+def _bin_header(n: int) -> bytes:
+    return b"\xc4" + n.to_bytes(1, "big") if n < 1 << 8 else b"\xc5" + n.to_bytes(2, "big") if n < 1 << 16 else \
+        b"\xc6" + n.to_bytes(4, "big")
 
 
 def _pack(rec: list) -> bytes:

@@ -1,8 +1,15 @@
-"""One blocking request/reply channel over a DEALER socket, used by every client of a service.
+"""One blocking request/reply channel over a DEALER socket, used by every client of a service, and
+the two calls that move a multipart message on any of the project's sockets.
 
 A request is `[b"", *frames]` (the empty delimiter a ROUTER service expects); a reply is read
 within a bound or the call raises `TimeoutError` naming the service and the request. A timed-out
 request closes the socket, so a late reply is never taken for the answer to the next request.
+
+`recv_frames` and `send_frames` are pyzmq's `recv_multipart(copy=False)` and
+`send_multipart(copy=False)` with the same semantics, at less than half their cost per part:
+pyzmq asks the socket for RCVMORE after every part it receives (where the part itself knows) and
+builds its flags as enums in Python for every part it sends. A rollout is one part, so on the
+buffer's path these calls run once per rollout each way.
 """
 
 from __future__ import annotations
@@ -12,6 +19,31 @@ from typing import Sequence
 import zmq
 
 from common.wire import ProtocolError
+
+_SNDMORE = int(zmq.SNDMORE)
+
+
+def recv_frames(sock: zmq.Socket, flags: int = 0) -> list[zmq.Frame]:
+    """The next whole message on `sock`, as `zmq.Frame`s (nothing copied). `flags` apply to the
+    first part (`zmq.NOBLOCK`: raise `zmq.Again` if none is there); the rest of a multipart
+    message is already there once its first part is (ZeroMQ delivers messages whole)."""
+    recv = sock.recv
+    part = recv(int(flags), False)
+    parts = [part]
+    while part.more:
+        part = recv(0, False)
+        parts.append(part)
+    return parts
+
+
+def send_frames(sock: zmq.Socket, frames: Sequence, flags: int = 0) -> None:
+    """Send `frames` as one message without copying them (`zmq.Frame`s, bytes, memoryviews); with
+    `zmq.NOBLOCK`, `zmq.Again` means none of it was queued."""
+    send, flags = sock.send, int(flags)
+    more = flags | _SNDMORE
+    for f in frames[:-1]:
+        send(f, more, False)
+    send(frames[-1], flags, False)
 
 
 class Channel:
@@ -41,14 +73,14 @@ class Channel:
 
         `what` names the request in a timeout (usually the message type)."""
         sock = self.socket()
-        sock.send_multipart([b"", *frames], copy=False)
+        send_frames(sock, [b"", *frames])
         timeout_ms = max(1, int(1000 * (self.timeout_s if timeout_s is None else timeout_s)))
         if not sock.poll(timeout_ms, zmq.POLLIN):
             self.close()
             raise TimeoutError(f"{self.service} at {self.endpoint} did not answer {what} "
                                f"within {timeout_ms / 1000:.1f}s")
-        reply = sock.recv_multipart(copy=False)
-        if len(reply) < 2 or reply[0].bytes != b"":
+        reply = recv_frames(sock)
+        if len(reply) < 2 or len(reply[0]):
             self.close()
             raise ProtocolError("reply", f"expected [empty, payload...] frames, got {len(reply)} frame(s)")
         return [f.buffer for f in reply[1:]]

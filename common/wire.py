@@ -13,7 +13,7 @@ from __future__ import annotations
 import functools
 import re
 import reprlib
-from typing import Any, Generic, TypeVar
+from typing import Any, Callable, Generic, TypeVar
 
 import msgspec
 import numpy as np
@@ -68,6 +68,42 @@ def from_msgspec(e: msgspec.DecodeError, where: str = "message") -> ProtocolErro
     problem, path = (m.group(1), m.group(2)) if m else (str(e), None)
     field = where + path if path and path.startswith("[") else (path.lstrip(".") if path else where)
     return ProtocolError(field, short(problem) if len(problem) > 200 else problem)
+
+
+# "Expected `int`, got `str` - at `$.rollout.group_id`", "... - at `key` in `$.scores`"
+_AT_FIELD = re.compile(r"^(.*?)(?: - at `(?:key` in `)?\$(.*?)`)?$", re.S)
+_MISSING = re.compile(r"^Object missing required field `(.*)`$")
+
+
+def field_error(e: Exception, where: str) -> ProtocolError:
+    """A msgspec validation error as `ProtocolError`, its field spelled `where` + msgspec's path
+    (`scored[3]` + `.rollout.versions`), and a type's own `__post_init__` check named as its field."""
+    m = _AT_FIELD.match(str(e))
+    problem, path = (m.group(1), m.group(2) or "") if m else (str(e), "")
+    cause = e.__cause__
+    if isinstance(cause, ProtocolError):  # raised by a type's __post_init__
+        return ProtocolError(f"{where}{path}.{cause.field}", cause.problem)
+    missing = _MISSING.match(problem)
+    if missing:
+        return ProtocolError(f"{where}{path}.{missing.group(1)}", "missing")
+    return ProtocolError(where + path, short(problem) if len(problem) > 200 else problem)
+
+
+def field_decoder(type_: Any) -> Callable[[Any, str], Any]:
+    """`decode(frame, where)` into `type_`, raising only `ProtocolError`, its field under `where`."""
+    dec = msgspec.msgpack.Decoder(type_)
+
+    def decode(frame: Any, where: str):
+        try:
+            return dec.decode(frame)
+        except msgspec.ValidationError as e:
+            raise field_error(e, where) from None
+        except msgspec.DecodeError as e:
+            raise ProtocolError(where, f"not valid msgpack ({short(str(e))})") from None
+        except RecursionError:  # nested past msgspec's depth limit
+            raise ProtocolError(where, "nested too deep") from None
+
+    return decode
 
 
 T = TypeVar("T")

@@ -2,9 +2,9 @@
 (`scored_meta`), and a live buffer's control and ingest sockets. Seeded, so a failure reproduces.
 
 What must hold: `decode` raises nothing but `ProtocolError`; the buffer's check never accepts a
-frame that `decode_item` refuses, nor refuses one it accepts; the live buffer answers every control message (an `Error` for the bad
-ones), keeps serving, and every valid group pushed before and during the fuzz is served to the
-learner byte for byte.
+frame that `decode_item` refuses, nor refuses one it accepts, and refuses with the same error; the
+live buffer answers every control message (an `Error` for the bad ones), keeps serving, and every
+valid group pushed before and during the fuzz is served to the learner byte for byte.
 """
 
 import random
@@ -115,19 +115,21 @@ def test_the_buffers_check_never_accepts_what_decode_refuses():
     rng = random.Random(99)
     s = ScoredMsg([scored(3, 1, 5, t=8)])
     item = encode(s)[1]
-    seeds = [[item], [encode_item(ScoredRollout(s.scored[0].rollout, 0.5, {"a": 1}, np.zeros(8),
-                                                metadata={"x": None, "y": "z"}))]]
+    mixed = scored(3, 2, 5, t=8).rollout
+    mixed.versions = np.array([4, 2, 3, 4, 4, 5, 2, 3])  # tokens of several policy versions
+    seeds = [[item], [encode_item(ScoredRollout(mixed, 0.5, {"a": 1}, np.zeros(8), metadata={"x": None, "y": "z"}))]]
     agree = {"both_ok": 0, "both_refused": 0}
     for _ in range(4000):
         frame = mutate(rng, rng.choice(seeds))[0]
+        want = got = None
         try:
             want = decode_item(frame, "scored", "item", DEFAULT_LIMITS)
-        except ProtocolError:
-            want = None
+        except ProtocolError as e:
+            want_error = str(e)
         try:
             got = scored_meta(frame, "item", DEFAULT_LIMITS)
-        except ProtocolError:
-            got = None
+        except ProtocolError as e:
+            assert want is None and str(e) == want_error, frame  # refused alike, for the same reason
         assert (want is None) == (got is None), frame
         if want is None:
             agree["both_refused"] += 1
@@ -136,7 +138,8 @@ def test_the_buffers_check_never_accepts_what_decode_refuses():
         r = want.rollout
         assert (got.group_id, got.sample_index, got.lease_id, got.failed) == \
             (r.group_id, r.sample_index, r.lease_id, want.failed)
-        assert got.min_version == (int(r.versions.min()) if len(r.versions) else None)
+        assert (got.min_version, got.max_version) == \
+            ((int(r.versions.min()), int(r.versions.max())) if len(r.versions) else (None, None))
         assert got.reward == want.reward or (np.isnan(got.reward) and np.isnan(want.reward))
     assert agree["both_ok"] > 200 and agree["both_refused"] > 1000
 

@@ -204,3 +204,19 @@ def test_compaction_while_running_keeps_what_a_restart_needs(tmp_path):
     r = StateStore.read(store.path)
     assert r.next_group == s.next_group and r.version == s.version
     assert sorted(r.groups) == [g.groups[0].group_id] and r.open_groups == [g.groups[1].group_id]
+
+
+def test_a_group_record_is_written_from_its_frames_as_msgpack(tmp_path):
+    # `StateStore.group` writes the record's header and the frames where they lie (writev, at most
+    # IOV_MAX buffers a call); the bytes must be what msgpack makes of ["group", id, frames], for every
+    # size class of msgpack's array and bin headers and for a group of more buffers than one call takes
+    store = StateStore(str(tmp_path))
+    store.open()
+    want = b""
+    for gid, sizes in ((0, []), (7, [0, 1, 255]), (2**40, [256, 65535, 65536] + [3] * 14), (9, [2] * 700)):
+        frames = [bytes([k % 251]) * n for k, n in enumerate(sizes)]
+        store.group(gid, [memoryview(f) for f in frames])
+        want += msgpack.packb(["group", gid, frames], use_bin_type=True)
+    store.close()
+    assert (tmp_path / "buffer.log").read_bytes() == want and store.size == len(want)
+    assert StateStore.read(tmp_path / "buffer.log").groups[9] == [bytes([k % 251]) * 2 for k in range(700)]

@@ -82,6 +82,18 @@ def _send_never_ending(port: int, socket_type: bytes, total_mb: int) -> None:
         s.close()
 
 
+def _until_memory_reset(pid: int, rss0_mb: float, resets, timeout_s: float = 10.0) -> None:
+    """Poll until the service at `pid` has counted a memory reset (`resets()`) and is back within
+    300 MiB of `rss0_mb`; assert both."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if resets() >= 1 and _rss_mb(pid) - rss0_mb < 300:
+            break
+        time.sleep(0.1)
+    assert resets() >= 1
+    assert _rss_mb(pid) - rss0_mb < 300
+
+
 # ---- the weight-sync service as a process ----------------------------------------------------
 
 
@@ -317,15 +329,8 @@ def test_a_multipart_message_that_never_ends_is_bounded(buffer, offset, peer_typ
     rss0 = _rss_mb(b.proc.pid)
     # the buffer's budget is two of its biggest messages (512 MiB) past its size at start
     _send_never_ending(b.port + offset, peer_type, 800)
-    deadline = time.monotonic() + 10
     with b.client() as c:
-        while time.monotonic() < deadline:
-            m = c.metrics()
-            if m["buffer/memory_resets"] >= 1 and _rss_mb(b.proc.pid) - rss0 < 300:
-                break
-            time.sleep(0.1)
-        assert m["buffer/memory_resets"] >= 1
-        assert _rss_mb(b.proc.pid) - rss0 < 300
+        _until_memory_reset(b.proc.pid, rss0, lambda: c.metrics()["buffer/memory_resets"])
         grant = c.lease("gen")  # served as before
         assert answer(c, grant).accepted == grant.n_samples * len(grant.groups)
     assert b.proc.poll() is None
@@ -335,14 +340,7 @@ def test_a_multipart_message_that_never_ends_is_bounded(buffer, offset, peer_typ
 def test_weight_sync_multipart_message_that_never_ends_is_bounded(weight_sync):
     rss0 = _rss_mb(weight_sync.proc.pid)
     _send_never_ending(weight_sync.port, b"DEALER", 400)  # its budget: 256 MiB
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline:
-        st = weight_sync.status()
-        if st["memory_resets"] >= 1 and _rss_mb(weight_sync.proc.pid) - rss0 < 300:
-            break
-        time.sleep(0.1)
-    assert st["memory_resets"] >= 1
-    assert _rss_mb(weight_sync.proc.pid) - rss0 < 300
+    _until_memory_reset(weight_sync.proc.pid, rss0, lambda: weight_sync.status()["memory_resets"])
     assert isinstance(_ws_request(weight_sync.port, _ready_payload(1, [8, 8])), wsm.Go)
     assert weight_sync.proc.poll() is None
 
