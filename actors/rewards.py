@@ -77,6 +77,20 @@ def overlong_penalty(n_tokens: int, max_new_tokens: int, buffer_len: int, factor
     return -min(exceed / buffer_len, 1.0) * factor
 
 
+class OverlongPenalty:
+    """`overlong_penalty` as a reward component (`scores["overlong"]`): a function of each
+    completion's length, so it never fails."""
+
+    name = "overlong"
+
+    def __init__(self, max_new_tokens: int, buffer_len: int, factor: float):
+        self.max_new_tokens, self.buffer_len, self.factor = max_new_tokens, buffer_len, factor
+
+    def score(self, rollouts) -> list[Score]:
+        return [Score(overlong_penalty(len(r.completion_ids), self.max_new_tokens, self.buffer_len, self.factor))
+                for r in rollouts]
+
+
 class RewardFn:
     """`reward_fn(prompts, completions, labels) -> list[float]` from a Python file, called batched in a
     worker process (see the module docstring). `timeouts` and `crashes` count the calls lost to a

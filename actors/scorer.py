@@ -25,7 +25,7 @@ from typing import Sequence
 import numpy as np
 
 from actors.config import ScorerConfig
-from actors.rewards import RemoteReward, RewardFn, RewardModel, Score, overlong_penalty
+from actors.rewards import OverlongPenalty, RemoteReward, RewardFn, RewardModel, Score
 from buffer.client import BufferClient
 from buffer.protocol import LOGPROB_DTYPE, ProtocolError, Rollout, ScoredRollout
 from common.ready import mark_ready
@@ -96,9 +96,9 @@ class Scorer:
                 self.reference = Reference(cfg.reference, cfg.dtype, cfg.device, cfg.batch_size)
             else:
                 raise ValueError(f"scorer.kinds: unknown kind {kind!r}")
-        # (max_new_tokens, overlong_buffer_len, overlong_penalty_factor); None: no overlong punishment
-        self.overlong = ((cfg.max_new_tokens, cfg.overlong_buffer_len, cfg.overlong_penalty_factor)
-                         if cfg.overlong_buffer_len > 0 else None)
+        if cfg.overlong_buffer_len > 0:  # DAPO's soft overlong punishment: one more component, weight 1
+            self.parts.append((OverlongPenalty(cfg.max_new_tokens, cfg.overlong_buffer_len,
+                                               cfg.overlong_penalty_factor), 1.0))
         self.limited = RateLimitedLog(cfg.log_every_s)
         self.failures = Counter()  # by component name
         self.scored = 0
@@ -146,9 +146,7 @@ class Scorer:
                     self.limited.warn(name, f"group {r.group_id} sample {r.sample_index}: {name}: {s.error}")
                 elif name != "reference":
                     scores[name] = s.value
-            if self.overlong is not None:
-                scores["overlong"] = overlong_penalty(len(r.completion_ids), *self.overlong)
-            reward = 0.0 if errors else sum(w * scores[c.name] for c, w in self.parts) + scores.get("overlong", 0.0)
+            reward = 0.0 if errors else sum(w * scores[c.name] for c, w in self.parts)
             out.append(ScoredRollout(r, reward=reward, scores=scores, ref_logprobs=ref[i],
                                      failed=bool(errors), error="; ".join(errors)))
         self.scored += n
