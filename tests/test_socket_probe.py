@@ -69,17 +69,27 @@ def _more_frame(n: int) -> bytes:
     return b"\x03" + struct.pack(">Q", n) + b"x" * n
 
 
-def _send_never_ending(port: int, socket_type: bytes, total_mb: int) -> None:
-    """`total_mb` MiB of 1 MiB frames, every one flagged MORE; stops early if the service hangs up."""
+def _send_never_ending(port: int, socket_type: bytes, total_mb: int, hold_s: float = 30.0) -> None:
+    """`total_mb` MiB of 1 MiB frames, every one flagged MORE, then the connection held open (as an
+    attacker would: libzmq frees a partial message when its peer hangs up, so a sender that closed
+    would let the service off). Returns once the service hangs up; asserts it did within `hold_s`."""
     s = _zmtp_peer(port, socket_type)
     frame = _more_frame(MB)
+    dropped = False
     try:
         for _ in range(total_mb):
             s.sendall(frame)
-    except OSError:  # the service dropped the connection: what the memory guard does
+        s.settimeout(hold_s)
+        while s.recv(65536):  # (whatever the service says) until it hangs up
+            pass
+        dropped = True
+    except TimeoutError:
         pass
+    except OSError:  # the service dropped the connection: what the memory guard does
+        dropped = True
     finally:
         s.close()
+    assert dropped, f"the service held a never-ending message for {hold_s} s without dropping it"
 
 
 def _until_memory_reset(pid: int, rss0_mb: float, resets, timeout_s: float = 30.0) -> None:
