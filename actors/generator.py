@@ -347,12 +347,13 @@ def run_generator(cfg: GeneratorConfig, stop: threading.Event | None = None) -> 
     counts, last = Counters(), Counters()
     t_log = time.monotonic()
     waiting_since, next_wait_log = None, cfg.log_every_s  # how long the buffer has answered Wait
-    code = 0
+    code, ready = 0, False
     try:
         if cfg.weight_sync_port:
             sync = WeightSyncHook(cfg, worker_id, engine)
             sync.initial(engine)
         mark_ready("generator", worker_id=worker_id, version=engine.version)
+        ready = True
         while not stop.is_set():
             if sync is not None:
                 sync.poll(engine)
@@ -380,6 +381,7 @@ def run_generator(cfg: GeneratorConfig, stop: threading.Event | None = None) -> 
             keeper.pushed(reply.lease_id)
             if time.monotonic() - t_log >= cfg.log_every_s:
                 _log_throughput(counts, last, time.monotonic() - t_log, keeper, engine.version)
+                _mark_counts(worker_id, engine.version, counts)
                 last, t_log = Counters(**counts.__dict__), time.monotonic()
             if cfg.max_batches and counts.leases >= cfg.max_batches:
                 break
@@ -390,12 +392,20 @@ def run_generator(cfg: GeneratorConfig, stop: threading.Event | None = None) -> 
         code = 1
     finally:
         _log_throughput(counts, Counters(), time.monotonic() - t_start, keeper, engine.version, final=True)
+        if ready:  # (never before: the record says the generator is ready)
+            _mark_counts(worker_id, engine.version, counts, final=True)
         keeper.close()
         client.close()
         if sync is not None:
             sync.close()
         engine.close()
     return code
+
+
+def _mark_counts(worker_id: str, version: int, c: Counters, final: bool = False) -> None:
+    """What this generator has done so far, in its ready record (its launcher's status shows it)."""
+    mark_ready("generator", worker_id=worker_id, version=version, leases=c.leases, groups=c.groups,
+               samples=c.samples, tokens=c.tokens, final=final)
 
 
 def _log_throughput(c: Counters, prev: Counters, dt: float, keeper: LeaseKeeper, version: int,

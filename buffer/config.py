@@ -21,7 +21,22 @@ class BufferConfig(Section):
     (PULL, scored rollouts), the relay input (PULL, raw rollouts from generators) and the relay
     output (PUSH, to scorers), so port+3 must stay below 65536."""
     prompts: str = ""
-    """Prompt dataset: JSONL, one object per line with `prompt` and optional `label`."""
+    """Prompt dataset(s): a JSONL or Parquet file, a `datasets.save_to_disk` folder or a Hugging Face
+    dataset folder; several, comma-separated, are mixed by `prompt_probs`."""
+    prompt_probs: list[float] | None = None
+    """With several datasets in `prompts`: the share of each (OpenRLHF's `--prompt_data_probs`,
+    e.g. `0.7,0.3`); None: all rows of every dataset, in turn."""
+    prompt_split: str = "train"
+    """The split to read from a dataset folder that holds several (a DatasetDict)."""
+    input_key: str = "prompt"
+    """Column of a row holding the prompt: a string, or a list of chat messages
+    ({"role", "content"}) that the generator renders with the tokenizer's chat template."""
+    label_key: str = "label"
+    """Column holding the label the reward function checks against (optional per row)."""
+    input_template: str = ""
+    """A template with one `{}` the prompt text is put into (e.g. `Question: {}\nAnswer:`); empty: none."""
+    max_samples: int = Field(0, ge=0)
+    """Use at most this many prompts (after mixing); 0: all."""
     prompts_per_step: int = Field(8, ge=1)
     """Prompt groups in one learner step's batch (all ranks together)."""
     n_samples_per_prompt: int = Field(4, ge=1)
@@ -98,6 +113,26 @@ class BufferConfig(Section):
     @property
     def endpoint(self) -> Endpoint:
         return Endpoint(self.host, self.port)
+
+
+class EvalConfig(Section):
+    """Section `eval:` of the run config: evaluation during training, served by the run's own
+    generators at the current policy version and scored by its scorers; never trained on."""
+
+    section: ClassVar[str] = "eval"
+
+    dataset: str = ""
+    """Evaluation prompts (the formats and columns of `buffer.prompts`); empty: no evaluation."""
+    split: str = "train"
+    """The split to read from a dataset folder that holds several."""
+    every: int = Field(0, ge=0)
+    """Evaluate the policy of every this many learner steps (and the initial one); 0: never."""
+    n_samples_per_prompt: int = Field(4, ge=1)
+    """Completions per evaluation prompt: pass@1 averages them, pass@k takes the best."""
+    temperature: float = Field(0.6, ge=0)
+    """Sampling temperature of evaluation completions (0: greedy)."""
+    max_samples: int = Field(0, ge=0)
+    """Evaluate at most this many prompts; 0: all."""
 
 
 class BufferAddress(Section):

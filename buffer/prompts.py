@@ -16,6 +16,7 @@ class Prompt:
     text: str
     label: str | None
     index: int  # row of the file (blank lines not counted)
+    messages: list[tuple[str, str]] | None = None  # a chat prompt: (role, content) pairs
 
 
 def load_prompts(path: str) -> list[Prompt]:

@@ -224,13 +224,23 @@ class Message(Struct, tag_field="type", kw_only=True):
     v: int = SCHEMA_VERSION
 
 
+class ChatMessage(Struct, array_like=True):
+    """One message of a chat prompt, rendered by the generator with the tokenizer's chat template."""
+
+    role: Text
+    content: Text
+
+
 class PromptGroup(Struct, array_like=True):
     """One prompt to sample `n_samples` completions of; `group_id` counts prompt groups over the run."""
 
     group_id: Id
-    prompt: Text
+    prompt: Text  # the prompt's text (with messages: their contents, for reward functions and logs)
     label: Text | None = None
     index: Id = 0  # row of the prompt dataset
+    messages: Annotated[list[ChatMessage], Meta(max_length=MAX_ITEMS)] | None = None  # a chat prompt
+
+
 
 
 class LeaseRequest(Message, tag="lease_request"):

@@ -36,7 +36,7 @@ from collections import Counter, deque
 from buffer.config import BufferConfig
 from buffer.groups import Lease, PendingGroup, ReadyGroup, RequestError, Sample, StepBatch  # noqa: F401 (re-exported)
 from buffer.prompts import Prompt, PromptOrder, PromptsError, load_prompts  # noqa: F401 (the last two: re-exported)
-from buffer.protocol import LeaseGrant, PromptGroup, Wait
+from buffer.protocol import ChatMessage, LeaseGrant, PromptGroup, Wait
 from buffer.rules import (
     QUIET_S,
     admission_limit,
@@ -159,7 +159,8 @@ class BufferState:
         groups = []
         for gid in group_ids:
             p = self.prompts[self.order.row(gid)]
-            groups.append(PromptGroup(gid, p.text, p.label, p.index))
+            groups.append(PromptGroup(gid, p.text, p.label, p.index,
+                                      None if p.messages is None else [ChatMessage(r, c) for r, c in p.messages]))
         return LeaseGrant(lease_id, groups, self.cfg.n_samples_per_prompt, self.cfg.lease_ttl_s, self.version)
 
     def renew(self, lease_id: int, now: float) -> None:

@@ -3,7 +3,9 @@ launcher that started it waits for that file (never for a log line).
 
 The launcher passes the path in `CONVEYOR_READY_FILE`; a role started by hand has none and
 `mark_ready` does nothing. The file is written whole (temporary file, then rename), so a reader
-never sees half of it.
+never sees half of it. A role may write it again later to say more about itself (a generator
+adds its counts as it goes and once more as it exits): the record is what the role last said,
+and a launcher shows it in its status.
 """
 
 from __future__ import annotations

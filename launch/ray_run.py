@@ -385,6 +385,7 @@ class RayRun:
             for p, ref in [(p, p.actor.stop.remote()) for p in mine]:
                 try:
                     self.ray.get(ref, timeout=60)
+                    p.ready = self.ray.get(p.actor.probe.remote(), timeout=30)[1] or p.ready  # its last word
                 except RayActorError:
                     self.reap(p)  # its actor died: end what it had started
                 except Exception:  # noqa: BLE001 (stop everything else regardless)

@@ -6,6 +6,7 @@
     scorer:      actors.config.ScorerConfig
     learner:     learner.config.LearnerConfig
     weight_sync: weight_sync.config.WeightSyncConfig
+    eval:        buffer.config.EvalConfig (evaluation during training)
 
 Command-line overrides are dotted (`--learner.lr 1e-6`); the flags of OpenRLHF's quick start are
 accepted as aliases with the same meaning (`--pretrain`, `--n_samples_per_prompt`, ...). An unknown
@@ -77,12 +78,12 @@ class RunConfig(Section):
 
 def section_classes() -> dict[str, type]:
     from actors.config import GeneratorConfig, ScorerConfig
-    from buffer.config import BufferConfig
+    from buffer.config import BufferConfig, EvalConfig
     from learner.config import LearnerConfig
     from weight_sync.config import WeightSyncConfig
 
     return {"run": RunConfig, "buffer": BufferConfig, "generator": GeneratorConfig, "scorer": ScorerConfig,
-            "learner": LearnerConfig, "weight_sync": WeightSyncConfig}
+            "learner": LearnerConfig, "weight_sync": WeightSyncConfig, "eval": EvalConfig}
 
 
 # OpenRLHF quick-start flags, with the same meaning here
@@ -143,6 +144,7 @@ class Run:
     scorer: Any
     learner: Any
     weight_sync: Any
+    eval: Any
     extra: dict = field(default_factory=dict)  # OpenRLHF sample counts, resolved in `finish`
     explicit: dict = field(default_factory=dict)  # the keys the user set (file + flags), as a tree
 

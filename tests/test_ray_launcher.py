@@ -380,12 +380,10 @@ def test_demo_end_to_end_with_a_generator_killed_and_scaled_to_two(demo, tmp_pat
     # generator-1 had the current weights when it became ready, i.e. before its first lease
     assert gen1["ready"]["worker_id"] == "gen-1" and gen1["ready"]["version"] >= 1, gen1
 
-    # both generators contributed rollouts (pushed right after each lease's batch): their final
-    # counts (only the restarted generator-0 printed one: the killed one had no time to)
-    for name in ("generator-0", "generator-1"):
-        log = (run_dir / "logs" / f"{name}.log").read_text(errors="replace")
-        final_counts = re.findall(r"total: \d+ tokens .*, (\d+) samples, (\d+) groups; total leases=(\d+)", log)
-        assert final_counts and int(final_counts[-1][0]) > 0 and int(final_counts[-1][2]) >= 1, log[-2000:]
+    # both generators contributed rollouts: the last record each wrote as it exited (the killed
+    # generator-0 had no time to; its new process did) counts the samples it pushed and its leases
+    for gen in (gen0, gen1):
+        assert gen["ready"]["final"] and gen["ready"]["samples"] > 0 and gen["ready"]["leases"] >= 1, gen
 
     # the resolved per-role configs carry the discovered addresses
     cfg = yaml.safe_load((run_dir / "configs" / "generator-1.yaml").read_text())

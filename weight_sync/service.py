@@ -111,26 +111,20 @@ class SyncState:
     # ---- dispatch --------------------------------------------------------------------------
 
     def handle(self, msg):
-        if isinstance(msg, Register):
-            return self.on_register(msg)
-        if isinstance(msg, Poll):
-            return self.on_poll(msg)
-        if isinstance(msg, Done):
-            return self.on_done(msg)
-        if isinstance(msg, Unregister):
-            self.generators.pop(msg.worker_id, None)
-            return Ack("unregistered")
-        if isinstance(msg, Ready):
-            return self.on_ready(msg)
-        if isinstance(msg, PendingRequest):
-            return self.on_pending(msg)
-        if isinstance(msg, RoundResult):
-            return self.on_round_result(msg)
-        if isinstance(msg, StatusRequest):
-            return Status(self.status())
-        return Error(f"{type(msg).__name__} is a reply, not a request", "envelope.type")
+        """The reply to one request (a reply type sent as a request is refused)."""
+        handler = {Register: self.on_register, Poll: self.on_poll, Done: self.on_done,
+                   Unregister: self.on_unregister, Ready: self.on_ready, PendingRequest: self.on_pending,
+                   RoundResult: self.on_round_result, StatusRequest: lambda _: Status(self.status())
+                   }.get(type(msg))
+        if handler is None:
+            return Error(f"{type(msg).__name__} is a reply, not a request", "envelope.type")
+        return handler(msg)
 
     # ---- generators ------------------------------------------------------------------------
+
+    def on_unregister(self, m: Unregister) -> Ack:
+        self.generators.pop(m.worker_id, None)
+        return Ack("unregistered")
 
     def on_register(self, m: Register):
         g = self.generators.get(m.worker_id)
