@@ -29,7 +29,7 @@ import socket
 import threading
 import time
 from concurrent.futures import wait
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -47,14 +47,23 @@ log = logging.getLogger("conveyor.generator")
 # prompts
 
 
-def encode_prompt(tokenizer, text: str, use_chat_template: bool) -> list[int]:
-    """Token ids of one prompt: as a user message in the chat template when the tokenizer has one."""
+def encode_prompt(tokenizer, text: str, use_chat_template: bool, messages=None) -> list[int]:
+    """Token ids of one prompt, its chat `messages` (ChatMessage) when it has them, else `text` as
+    one user message, rendered by the tokenizer's chat template when it has one and
+    use_chat_template is on. Without a template, the texts as the offline trainers' loaders encode
+    them: the first with the tokenizer's specials (bos), the others after it without."""
+    chat = ([{"role": "user", "content": text}] if messages is None
+            else [{"role": m.role, "content": m.content} for m in messages])
+    if not chat:
+        return []  # (refused by fit_prompt as empty)
     if use_chat_template and getattr(tokenizer, "chat_template", None):
-        rendered = tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
-                                                 add_generation_prompt=True)
-        # The template writes the special tokens itself (bos and the like).
-        return list(tokenizer.encode(rendered, add_special_tokens=False))
-    return list(tokenizer.encode(text))
+        # The template writes the special tokens itself (bos and the like); the ids are the ones
+        # it gives (the offline loaders tokenize the same rendered text without specials).
+        return list(tokenizer.apply_chat_template(chat, add_generation_prompt=True, return_dict=False))
+    ids = list(tokenizer.encode(chat[0]["content"]))
+    for m in chat[1:]:
+        ids.extend(tokenizer.encode(m["content"], add_special_tokens=False))
+    return ids
 
 
 def fit_prompt(ids: list[int], cfg: GeneratorConfig) -> tuple[list[int] | None, str]:
@@ -258,7 +267,7 @@ def make_rollouts(grant: LeaseGrant, cfg: GeneratorConfig, engine: Engine, sampl
     """Steps 3-4 for one lease: the rollouts of its groups (refused groups are reported, not sampled)."""
     groups, prompt_ids = [], []
     for g in grant.groups:
-        ids = encode_prompt(engine.tokenizer, g.prompt, cfg.use_chat_template)
+        ids = encode_prompt(engine.tokenizer, g.prompt, cfg.use_chat_template, g.messages)
         fitted, why = fit_prompt(ids, cfg)
         if fitted is None:
             counts.refused += 1
@@ -274,6 +283,8 @@ def make_rollouts(grant: LeaseGrant, cfg: GeneratorConfig, engine: Engine, sampl
     version = engine.version
     t0 = time.monotonic()
     try:
+        if grant.temperature is not None:  # an evaluation lease: sampled as the evaluation says
+            sampling = replace(sampling, temperature=grant.temperature)
         completions = generate_batch(engine, prompt_ids, grant.n_samples, sampling, sync)
     except ValueError as e:
         # The engine refused the inputs (e.g. a prompt past vLLM's max_model_len): retrying will not

@@ -25,7 +25,9 @@ class BufferConfig(Section):
     dataset folder; several, comma-separated, are mixed by `prompt_probs`."""
     prompt_probs: list[float] | None = None
     """With several datasets in `prompts`: the share of each (OpenRLHF's `--prompt_data_probs`,
-    e.g. `0.7,0.3`); None: all rows of every dataset, in turn."""
+    e.g. `0.7,0.3`), mixed as `datasets.interleave_datasets` mixes them for OpenRLHF (seeded by
+    shuffle_seed; a dataset that runs out starts again until every one was used whole; see
+    buffer/prompts.py); None: the datasets one after the other."""
     prompt_split: str = "train"
     """The split to read from a dataset folder that holds several (a DatasetDict)."""
     input_key: str = "prompt"
@@ -34,9 +36,12 @@ class BufferConfig(Section):
     label_key: str = "label"
     """Column holding the label the reward function checks against (optional per row)."""
     input_template: str = ""
-    """A template with one `{}` the prompt text is put into (e.g. `Question: {}\nAnswer:`); empty: none."""
+    """A template with one `{}` a string prompt is put into (e.g. `Question: {}\nAnswer:`), before the
+    chat template if there is one (OpenRLHF leaves it out with --apply_chat_template); chat-message
+    prompts are left as they are; empty: none."""
     max_samples: int = Field(0, ge=0)
-    """Use at most this many prompts (after mixing); 0: all."""
+    """Use at most this many rows of each dataset and this many prompts after mixing (as OpenRLHF's
+    `--max_samples`); 0: all."""
     prompts_per_step: int = Field(8, ge=1)
     """Prompt groups in one learner step's batch (all ranks together)."""
     n_samples_per_prompt: int = Field(4, ge=1)
@@ -48,7 +53,8 @@ class BufferConfig(Section):
     max_epochs: int = Field(1, ge=1)
     """Passes over the prompt dataset; after the last the buffer answers `done`."""
     shuffle_seed: int | None = 0
-    """Seed for the order prompts are leased in each epoch; None keeps file order."""
+    """Seed for the order prompts are leased in each epoch (None keeps file order) and for the mix of
+    several datasets by prompt_probs (0 when None)."""
     state_dir: str = ""
     """Where accepted groups and counters are persisted (empty: not persisted)."""
     max_queued_groups: int = 4096
@@ -133,6 +139,11 @@ class EvalConfig(Section):
     """Sampling temperature of evaluation completions (0: greedy)."""
     max_samples: int = Field(0, ge=0)
     """Evaluate at most this many prompts; 0: all."""
+    pass_threshold: float = 1.0
+    """A sample passes when its reward is at least this (for a 0/1 reward: when it is right);
+    eval/pass@1 and eval/pass@k count passing samples."""
+    samples_dir: str = ""
+    """Folder the buffer writes each round's samples to (`version_<v>.jsonl`); default `<run_dir>/eval`."""
 
 
 class BufferAddress(Section):

@@ -1,10 +1,42 @@
-"""The prompt dataset a buffer leases from, and the order its rows are leased in."""
+"""The prompt dataset a buffer leases from, and the order its rows are leased in.
+
+`load_prompts` reads one dataset or several (comma-separated) through `common.datasets.iter_rows`,
+so the buffer takes what the offline trainers take: JSONL, JSON, Parquet, `datasets.save_to_disk`
+folders and hub dataset folders (`split` picks the split). A row's `input_key` column is the prompt:
+
+  a string                 the prompt text, put into `input_template` ("Q: {}\\nA:") when one is set;
+                           the generator renders it as one user message (chat template on) or as is
+  a list of chat messages  [{"role": ..., "content": ...}, ...]: `Prompt.messages`, rendered by the
+                           generator with the tokenizer's chat template (no input_template);
+                           `Prompt.text`, what reward functions and logs see, is their contents
+
+and its `label_key` column, a string or a number, is the label a reward function checks (optional).
+A bad row raises `PromptsError` naming its file and line (or row).
+
+Several datasets are combined as OpenRLHF's `blending_datasets` combines them:
+
+  without probs   one after the other (`datasets.concatenate_datasets`);
+  with probs      `datasets.interleave_datasets(probabilities=probs, seed=seed,
+                  stopping_strategy="all_exhausted")`: each prompt comes from a dataset drawn with
+                  those probabilities (numpy's `default_rng(seed)`, drawn in blocks of 1000 as
+                  `datasets` draws them, so the order is the same one), a dataset that runs out
+                  starts again from its first row, and the mix ends once every dataset has been
+                  used whole: the smaller share of a dataset, the more often the others repeat.
+
+`max_samples` caps each dataset before the mix and the mix after it, as OpenRLHF does. The mixed
+list is then one dataset to the buffer: `PromptOrder` shuffles it per epoch.
+"""
 
 from __future__ import annotations
 
-import json
 import random
 from dataclasses import dataclass
+from typing import Any, Sequence
+
+import numpy as np
+
+from buffer.config import BufferConfig
+from common.datasets import BadRow, DatasetError, chat_messages, iter_rows, short_repr
 
 
 class PromptsError(ValueError):
@@ -13,44 +45,123 @@ class PromptsError(ValueError):
 
 @dataclass
 class Prompt:
-    text: str
+    text: str  # the prompt's text (with messages: their contents, one per line)
     label: str | None
-    index: int  # row of the file (blank lines not counted)
+    index: int  # position in the (mixed) dataset; blank lines are no rows
     messages: list[tuple[str, str]] | None = None  # a chat prompt: (role, content) pairs
 
 
-def load_prompts(path: str) -> list[Prompt]:
-    """JSONL rows with `prompt` (str) and optional `label` (str or number); other keys are ignored."""
-    if not path:
-        raise PromptsError("buffer.prompts is not set: give a JSONL file of {\"prompt\": ..., \"label\": ...}")
+def prompts_from_config(cfg: BufferConfig, dataset: str | None = None, split: str | None = None,
+                        max_samples: int | None = None) -> list[Prompt]:
+    """The buffer's prompts: `cfg.prompts` read with its keys and mixed by `cfg.prompt_probs`.
+
+    With `dataset`, another dataset read with the same columns and template instead (evaluation:
+    eval.dataset, eval.split, eval.max_samples); several of those are concatenated, never mixed by
+    probabilities (as OpenRLHF reads its eval datasets).
+    """
+    return load_prompts(
+        cfg.prompts if dataset is None else dataset,
+        split=cfg.prompt_split if split is None else split,
+        input_key=cfg.input_key, label_key=cfg.label_key, input_template=cfg.input_template,
+        probs=cfg.prompt_probs if dataset is None else None,
+        max_samples=cfg.max_samples if max_samples is None else max_samples,
+        seed=cfg.shuffle_seed or 0)
+
+
+def load_prompts(paths: str | Sequence[str], *, split: str = "train", input_key: str = "prompt",
+                 label_key: str = "label", input_template: str = "", probs: Sequence[float] | None = None,
+                 max_samples: int = 0, seed: int = 0) -> list[Prompt]:
+    """The prompts of one dataset or several (a list, or one comma-separated string), mixed as the
+    module docstring says; `label_key=""` reads no labels; `max_samples=0` keeps all."""
+    names = [p.strip() for p in paths.split(",")] if isinstance(paths, str) else [str(p).strip() for p in paths]
+    names = [n for n in names if n]
+    if not names:
+        raise PromptsError("no prompt dataset is set: give a JSONL or Parquet file or a dataset folder "
+                           "whose rows hold {\"prompt\": ..., \"label\": ...}")
+    if input_template:
+        try:
+            ok = "{}" in input_template and input_template.format("") is not None
+        except (IndexError, KeyError, ValueError):  # other fields: "{x}", "{} {}"; write braces as {{ }}
+            ok = False
+        if not ok:
+            raise PromptsError(f"input_template={input_template!r} must hold exactly one `{{}}` to put the "
+                               f"prompt in, and no other braces unless doubled (e.g. 'Question: {{}}\\nAnswer:')")
+    if probs is not None and (len(probs) != len(names) or any(not p > 0 for p in probs)):
+        raise PromptsError(f"prompt_probs={list(probs)} must hold one share > 0 for each of the "
+                           f"{len(names)} datasets {names}")
+    sources = [_read(n, split, input_key, label_key, input_template, max_samples) for n in names]
+    if probs is None:
+        rows = [row for source in sources for row in source]
+    else:
+        rows = [sources[d][i] for d, i in mix_order([len(s) for s in sources], probs, seed)]
+    if max_samples:
+        rows = rows[:max_samples]
+    return [Prompt(text, label, i, messages) for i, (text, label, messages) in enumerate(rows)]
+
+
+Row = tuple[str, "str | None", "list[tuple[str, str]] | None"]  # (text, label, messages)
+
+
+def _read(path: str, split: str, input_key: str, label_key: str, template: str, limit: int) -> list[Row]:
+    rows: list[Row] = []
     try:
-        f = open(path, encoding="utf-8")
-    except OSError as e:
-        raise PromptsError(f"{path}: cannot open the prompt file ({e.strerror})") from None
-    prompts = []
-    with f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            where = f"{path}:{lineno}"
+        for where, row in iter_rows(path, split):
+            if limit and len(rows) >= limit:
+                break
             try:
-                row = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise PromptsError(f"{where}: not valid JSON ({e.msg})") from None
-            if not isinstance(row, dict):
-                raise PromptsError(f"{where}: expected a JSON object, got {type(row).__name__}")
-            text = row.get("prompt")
-            if not isinstance(text, str):
-                raise PromptsError(f"{where}: `prompt` must be a string, got {text!r}")
-            label = row.get("label")
-            if isinstance(label, (int, float)) and not isinstance(label, bool):
-                label = str(label)
-            if label is not None and not isinstance(label, str):
-                raise PromptsError(f"{where}: `label` must be a string or a number, got {label!r}")
-            prompts.append(Prompt(text, label, len(prompts)))
-    if not prompts:
-        raise PromptsError(f"{path}: no prompts in the file")
-    return prompts
+                rows.append(_prompt_of(row, input_key, label_key, template))
+            except BadRow as e:
+                raise PromptsError(f"{where}: {e}") from None
+    except PromptsError:
+        raise
+    except DatasetError as e:
+        raise PromptsError(str(e)) from None
+    except (OSError, ValueError) as e:  # a file that pyarrow or `datasets` cannot read
+        raise PromptsError(f"{path}: cannot be read ({type(e).__name__}: {e})") from None
+    if not rows:
+        raise PromptsError(f"{path}: no prompts in the dataset (split {split!r})")
+    return rows
+
+
+def _prompt_of(row: Any, input_key: str, label_key: str, template: str) -> Row:
+    """(text, label, messages) of one row; BadRow saying what is wrong with it."""
+    if isinstance(row, BadRow):
+        raise row
+    if not isinstance(row, dict):
+        raise BadRow(f"expected an object (a row of columns), got {type(row).__name__}")
+    value = row.get(input_key)
+    if value is None:
+        raise BadRow(f"no prompt: {input_key!r} is missing or null (the row's keys: {sorted(row)})")
+    messages = None
+    if isinstance(value, str):
+        text = template.format(value) if template else value
+    else:
+        messages = [(m["role"], m["content"]) for m in chat_messages(value, input_key)]
+        text = "\n".join(content for _, content in messages)
+    label = row.get(label_key) if label_key else None
+    if isinstance(label, (int, float)) and not isinstance(label, bool):
+        label = str(label)
+    if label is not None and not isinstance(label, str):
+        raise BadRow(f"{label_key!r} must be a string or a number, got {short_repr(label)}")
+    return text, label, messages
+
+
+def mix_order(sizes: Sequence[int], probs: Sequence[float], seed: int) -> list[tuple[int, int]]:
+    """(dataset, row) of each prompt of the mix: `datasets.interleave_datasets` with probabilities
+    and stopping_strategy="all_exhausted" (a dataset that runs out starts again at row 0; the mix
+    ends with the draw that completes the last dataset)."""
+    p = np.asarray(probs, dtype=np.float64)
+    rng = np.random.default_rng(seed)
+    taken = [0] * len(sizes)
+    left = len(sizes)  # datasets not yet used whole
+    out: list[tuple[int, int]] = []
+    while True:
+        for d in rng.choice(len(sizes), size=1000, p=p / p.sum()):
+            out.append((int(d), taken[d] % sizes[d]))
+            taken[d] += 1
+            left -= taken[d] == sizes[d]
+            if not left:
+                return out
 
 
 class PromptOrder:

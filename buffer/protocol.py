@@ -255,6 +255,8 @@ class LeaseGrant(Message, tag="lease_grant"):
     n_samples: Annotated[int, Meta(ge=1, le=1 << 16)]
     ttl_s: Seconds  # the lease expires this long after it was granted unless renewed
     version: Id  # the learner's version when granted
+    # an evaluation lease (never trained on): sample at this temperature instead of the generator's
+    temperature: Annotated[float, Meta(ge=0, le=100)] | None = None
 
 
 class LeaseRenew(Message, tag="lease_renew"):
@@ -303,6 +305,18 @@ class Resume(Message, tag="resume"):
 
 class MetricsRequest(Message, tag="metrics_request"):
     pass
+
+
+class EvalRequest(Message, tag="eval_request"):
+    """The learner asks for the evaluation of the policy at `version` (which it has published):
+    answered `Wait` while the round runs (started by the first request), then `EvalReport`."""
+
+    version: Id
+
+
+class EvalReport(Message, tag="eval_report"):
+    version: Id
+    values: Numbers  # eval/pass@1, eval/pass@k, eval/reward_mean, ...
 
 
 class Metrics(Message, tag="metrics"):
@@ -367,7 +381,7 @@ _PACKED = {cls: _packed_fields(cls) for cls in (Rollout, ScoredRollout, Resume)}
 _HEADERS = {"rollouts": (RolloutsHeader, Rollout), "scored": (ScoredHeader, ScoredRollout),
             "batch": (BatchHeader, ScoredRollout)}
 _CONTROL = (LeaseRequest, LeaseGrant, LeaseRenew, GroupFailed, Wait, BatchRequest, SetVersion, Resume,
-            MetricsRequest, Metrics, Ack, Error)
+            MetricsRequest, Metrics, EvalRequest, EvalReport, Ack, Error)
 _TYPES = {cls.__struct_config__.tag: cls for cls in _CONTROL} | {k: h for k, (h, _) in _HEADERS.items()}
 TYPE_NAMES = frozenset(_TYPES)
 

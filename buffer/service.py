@@ -33,13 +33,15 @@ from typing import NamedTuple, Sequence
 
 import zmq
 
-from buffer.config import BufferConfig, endpoints
+from buffer.config import BufferConfig, EvalConfig, endpoints
+from buffer.eval import Evaluator, eval_prompts
 from buffer.protocol import (
     DEFAULT_LIMITS,
     TYPE_NAMES,
     Ack,
     BatchRequest,
     Error,
+    EvalRequest,
     GroupFailed,
     LeaseRenew,
     LeaseRequest,
@@ -53,11 +55,12 @@ from buffer.protocol import (
     check_scored,
     decode,
     decode_envelope,
+    decode_item,
     encode,
     encode_batch,
     short,
 )
-from buffer.prompts import load_prompts
+from buffer.prompts import prompts_from_config
 from buffer.groups import RequestError, Sample
 from buffer.state import BufferState
 from buffer.store import StateStore
@@ -71,7 +74,7 @@ POLL_MS = 50  # the longest the loop sleeps: bounds how late a lease expires or 
 DRAIN = 64  # messages taken from one socket before looking at the others again
 EXPIRE_EVERY_S = 0.05
 # Types a peer may receive from the buffer but never send it as a request.
-NOT_REQUESTS = {"lease_grant", "wait", "metrics", "ack", "error", "batch", "rollouts"}
+NOT_REQUESTS = {"lease_grant", "wait", "metrics", "eval_report", "ack", "error", "batch", "rollouts"}
 assert NOT_REQUESTS <= TYPE_NAMES
 # What each socket queues per peer, in whole messages (libzmq counts messages, not bytes; MAXMSGSIZE
 # bounds each frame). A client has one request in flight, so 16 unread replies on control are
@@ -109,18 +112,21 @@ def scored_meta(frame: bytes, where: str, limits: Limits = DEFAULT_LIMITS) -> Sc
 
 
 class BufferService:
-    def __init__(self, cfg: BufferConfig, resume: bool = False):
+    def __init__(self, cfg: BufferConfig, resume: bool = False, eval_cfg: EvalConfig | None = None):
         self.cfg = cfg
         self.limits = DEFAULT_LIMITS
         self.warnings = WarnLimiter(log)
         self.stopping = False
-        prompts = load_prompts(cfg.prompts)
+        prompts = prompts_from_config(cfg)
         self.store = (StateStore(cfg.state_dir, cfg.fsync, int(cfg.compact_mb * 1e6))
                       if cfg.state_dir else None)
         if resume and not (self.store and self.store.exists()):
             where = f"{cfg.state_dir}/" if cfg.state_dir else "(buffer.state_dir is not set)"
             raise ResumeError(f"--resume: no saved buffer state in {where}")
         self.state = BufferState(cfg, prompts, self.store)
+        self.evals = None  # evaluation during training (buffer/eval.py), when there is a dataset
+        if eval_cfg is not None and eval_cfg.dataset:
+            self.evals = Evaluator(eval_cfg, eval_prompts(eval_cfg, cfg), cfg.lease_ttl_s)
         if self.store:
             self.store.lock()
             saved = self.store.load() if self.store.exists() else None
@@ -234,6 +240,8 @@ class BufferService:
             if self.memory is not None and self.memory.over(now, self._held_bytes):
                 self._reset_sockets()
             if now >= self._next_expiry:
+                if self.evals:
+                    self.evals.expire(now)
                 back = self.state.expire(now)
                 if back:
                     log.info("leases expired: %d groups go back to the queue (%s)", len(back), _ids(back))
@@ -299,7 +307,8 @@ class BufferService:
             raise ProtocolError("envelope.type", f"{short(kind)} is not a request the buffer serves on control")
         msg = decode(body, self.limits)
         if isinstance(msg, LeaseRequest):
-            reply = self.state.lease(msg.worker_id, msg.max_groups, now, msg.version)
+            reply = self.evals and self.evals.lease(msg.max_groups, msg.version, now)  # (ahead of training)
+            reply = reply or self.state.lease(msg.worker_id, msg.max_groups, now, msg.version)
             if isinstance(reply, Wait):
                 log.debug("lease for %s: wait (%s)", msg.worker_id, reply.reason)
             else:
@@ -307,9 +316,16 @@ class BufferService:
                           _ids([g.group_id for g in reply.groups]))
             return encode(reply)
         if isinstance(msg, LeaseRenew):
-            self.state.renew(msg.lease_id, now)
+            if self.evals and self.evals.owns_lease(msg.lease_id):
+                self.evals.renew(msg.lease_id, now)
+            else:
+                self.state.renew(msg.lease_id, now)
             return encode(Ack(1, 0, f"lease {msg.lease_id} renewed for {self.cfg.lease_ttl_s}s"))
         if isinstance(msg, GroupFailed):
+            if self.evals and self.evals.owns_group(msg.group_id):
+                ok = self.evals.group_failed(msg.lease_id, msg.group_id, msg.reason)
+                return encode(Ack(int(ok), int(not ok), f"evaluation group {msg.group_id} given up" if ok else
+                                  f"group {msg.group_id} is not pending under lease {msg.lease_id}"))
             if self.state.group_failed(msg.lease_id, msg.group_id):
                 log.info("group %d given up under lease %d: %s", msg.group_id, msg.lease_id, msg.reason)
                 return encode(Ack(1, 0, f"group {msg.group_id} dropped"))
@@ -334,7 +350,11 @@ class BufferService:
                          moved["kept_ready"], moved["reissued"])
             return encode(Ack(1, 0, f"resumed at step {msg.step}: {moved['reissued']} groups issued again"))
         if isinstance(msg, MetricsRequest):
-            return encode(Metrics(self.state.metrics(now)))
+            return encode(Metrics({**self.state.metrics(now), **(self.evals.metrics() if self.evals else {})}))
+        if isinstance(msg, EvalRequest):
+            if self.evals is None:
+                raise RequestError("eval_request", "this buffer has no evaluation dataset (eval.dataset)")
+            return encode(self.evals.request(msg.version, now))
         raise ProtocolError("envelope.type", f"{type(msg).__name__} is not a request the buffer serves")
 
     # ---- scored rollouts -------------------------------------------------------------------
@@ -351,10 +371,10 @@ class BufferService:
     def take_scored(self, item_frames: Sequence) -> tuple[int, int]:
         """Check every item of a `scored` message, then hand them to the bookkeeping: a message is
         taken whole or refused whole (ProtocolError), so a bad item never leaves half a message in."""
-        n = self.cfg.n_samples_per_prompt
         metas = []
         for i, f in enumerate(item_frames):
             m = scored_meta(f, f"scored[{i}]", self.limits)
+            n = self.evals.round_k if self.evals and self.evals.owns_group(m.group_id) else self.cfg.n_samples_per_prompt
             if m.sample_index >= n:
                 raise ProtocolError(f"scored[{i}].rollout.sample_index",
                                     f"{m.sample_index} >= n_samples_per_prompt {n}")
@@ -362,6 +382,10 @@ class BufferService:
         accepted = 0
         now = time.monotonic()
         for m, f in zip(metas, item_frames):
+            if self.evals and self.evals.owns_group(m.group_id):
+                outcome = self.evals.add_sample(decode_item(f, "scored", limits=self.limits), (m.min_version, m.max_version))
+                accepted += outcome in ("accepted", "complete", "failed")
+                continue
             outcome = self.state.add_sample(m.group_id, m.sample_index, m.lease_id, m.failed, m.min_version,
                                             m.reward, f, m.max_version, now)
             if outcome in ("accepted", "complete", "filtered"):
@@ -451,7 +475,7 @@ def _ids(ids: list[int], shown: int = 8) -> str:
     return ", ".join(map(str, ids[:shown])) + (f" ... ({len(ids)} in all)" if len(ids) > shown else "")
 
 
-def serve(cfg: BufferConfig, resume: bool = False) -> int:
+def serve(cfg: BufferConfig, resume: bool = False, eval_cfg: EvalConfig | None = None) -> int:
     """Run a buffer until SIGTERM/SIGINT; the exit status."""
-    BufferService(cfg, resume).run()
+    BufferService(cfg, resume, eval_cfg).run()
     return 0

@@ -491,7 +491,10 @@ def render_help(doc: str, sections: Mapping[str, type[Section]], aliases: Mappin
     out = [textwrap.dedent(doc).strip(), ""]
     for name, cls in sections.items():
         out += section_help(cls, name, bare=name == own) + [""]
-    if aliases:
+    describe = getattr(aliases, "describe", None)  # a table that groups its flags with their meaning
+    if describe is not None:
+        out += describe()
+    elif aliases:
         out += textwrap.wrap("OpenRLHF flags (same meaning as there): " + ", ".join(f"--{a}" for a in aliases),
                              100, break_on_hyphens=False)
     return "\n".join(out).rstrip() + "\n"

@@ -95,8 +95,8 @@ def warm_start(model_dir: str | Path, out_dir: str | Path, problems: list[dict],
     return out_dir
 
 
-def greedy_accuracy(model_or_dir, problems: list[dict], max_new_tokens: int = 5) -> float:
-    """Fraction of `problems` whose greedy answer (transformers) equals the label."""
+def greedy_answers(model_or_dir, problems: list[dict], max_new_tokens: int = 5) -> list[str]:
+    """The greedy answer (transformers) to each of `problems`."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -109,5 +109,10 @@ def greedy_accuracy(model_or_dir, problems: list[dict], max_new_tokens: int = 5)
     with torch.no_grad():
         out = model.generate(prompts, max_new_tokens=max_new_tokens, do_sample=False,
                              pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)
-    texts = tok.batch_decode(out[:, prompts.shape[1]:], skip_special_tokens=True)
-    return sum(answer_of(t) == p["label"] for t, p in zip(texts, problems)) / max(1, len(problems))
+    return [answer_of(t) for t in tok.batch_decode(out[:, prompts.shape[1]:], skip_special_tokens=True)]
+
+
+def greedy_accuracy(model_or_dir, problems: list[dict], max_new_tokens: int = 5) -> float:
+    """Fraction of `problems` whose greedy answer (transformers) equals the label."""
+    answers = greedy_answers(model_or_dir, problems, max_new_tokens)
+    return sum(a == p["label"] for a, p in zip(answers, problems)) / max(1, len(problems))

@@ -5,11 +5,13 @@
    early so the policy is only partly right;
 3. runs async GRPO through `launch.local` with examples/demo.yaml: a vLLM generator, a scorer with
    the exact-match reward, a DeepSpeed learner and weight sync, as separate processes;
-4. measures greedy accuracy on held-out prompts (never trained on) at every checkpoint and leaves in
-   the run folder: tensorboard logs, `reward.png`, HF checkpoints and `summary.json`.
+4. evaluates the policy during training, every 25 steps: the run's generator answers held-out
+   prompts (never trained on) greedily at that policy version and the scorer scores them
+   (`eval/pass@1` in the metrics: held-out greedy accuracy); and leaves in the run folder:
+   tensorboard logs, `reward.png`, HF checkpoints, the evaluation samples and `summary.json`.
 
 Overrides go to the run config (`--learner.total_steps 20`); `--demo.warm_steps N`,
-`--demo.heldout N` and `--demo.out DIR` set the demo's own knobs.
+`--demo.heldout N`, `--demo.eval_every N` and `--demo.out DIR` set the demo's own knobs.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 DEMO_CONFIG = ROOT / "examples" / "demo.yaml"
-DEMO_DEFAULTS = {"warm_steps": 375, "heldout": 200, "train_prompts": 3000, "seed": 0, "out": ""}
+DEMO_DEFAULTS = {"warm_steps": 375, "heldout": 200, "train_prompts": 3000, "seed": 0, "out": "", "eval_every": 25}
 
 
 def split_demo_args(argv: list[str]) -> tuple[dict, list[str]]:
@@ -61,7 +63,8 @@ def plot(run_dir: Path, rows: list[dict], acc_points: list[tuple[int, float]]) -
     steps = [r["step"] for r in rows]
     ax.plot(steps, [r.get("reward/mean", float("nan")) for r in rows], label="reward (train batches)", alpha=0.8)
     if acc_points:
-        ax.plot([s for s, _ in acc_points], [a for _, a in acc_points], "o-", label="held-out greedy accuracy")
+        ax.plot([s for s, _ in acc_points], [a for _, a in acc_points], "o-",
+                label="held-out greedy accuracy (eval/pass@1)")
     ax.set_xlabel("learner step (policy version)")
     ax.set_ylabel("reward / accuracy")
     ax.set_ylim(-0.02, 1.02)
@@ -119,35 +122,35 @@ def main(argv: list[str] | None = None) -> int:
         shutil.rmtree(run_dir)
     data_dir = run_dir / "data"
 
-    from demo.arithmetic import greedy_accuracy, make_problems, warm_start, write_jsonl
+    from demo.arithmetic import make_problems, warm_start, write_jsonl
     from demo.tiny_model import build_tiny_model, build_tokenizer
 
     heldout = make_problems(demo["heldout"], seed=10_000 + demo["seed"])
     train = make_problems(demo["train_prompts"], seed=demo["seed"], exclude={p["prompt"] for p in heldout})
-    write_jsonl(heldout, data_dir / "heldout.jsonl")
+    heldout_path = write_jsonl(heldout, data_dir / "heldout.jsonl")
     prompts = write_jsonl(train, data_dir / "train.jsonl")
     base = build_tiny_model(run_dir / "models" / "base", seed=demo["seed"])
     print(f"[demo] warm start: {demo['warm_steps']} supervised steps on {len(train)} problems", flush=True)
     warm = warm_start(base, run_dir / "models" / "warm", train, demo["warm_steps"], seed=demo["seed"], log_every=100)
-    acc0 = greedy_accuracy(str(warm), heldout)
-    print(f"[demo] held-out greedy accuracy after the warm start: {acc0:.3f}", flush=True)
 
     newline = build_tokenizer().convert_tokens_to_ids("\n")
     run = load_run_config(DEMO_CONFIG, [*overrides, "--learner.model_path", str(warm), "--buffer.prompts",
                                         str(prompts), "--run.run_dir", str(run_dir),
-                                        "--generator.stop_token_ids", str(newline)])
+                                        "--generator.stop_token_ids", str(newline),
+                                        # evaluation during training: greedy answers to the held-out prompts
+                                        "--eval.dataset", str(heldout_path), "--eval.every", str(demo["eval_every"]),
+                                        "--eval.n_samples_per_prompt", "1", "--eval.temperature", "0"])
     print(f"[demo] async GRPO for {run.learner.total_steps} steps: logs in {run_dir / 'logs'}", flush=True)
     code = run_local(run)
     if code != 0:
         print(f"[demo] the run failed (exit code {code}); see {run_dir / 'logs'}", file=sys.stderr)
         return code
 
-    acc_points = [(0, acc0)]
-    for step, path in checkpoint_steps(run_dir):
-        acc = greedy_accuracy(str(path), heldout)
-        acc_points.append((step, acc))
-        print(f"[demo] step {step}: held-out greedy accuracy {acc:.3f}", flush=True)
     rows = read_metrics(run_dir / "metrics.jsonl")
+    acc_points = [(r["step"], r["eval/pass@1"]) for r in rows if "eval/pass@1" in r]
+    for step, acc in acc_points:
+        print(f"[demo] step {step}: held-out greedy accuracy {acc:.3f}", flush=True)
+    rows = [r for r in rows if "loss/policy" in r]  # (the final evaluation has a row of its own)
     plot(run_dir, rows, acc_points)
     summary = summarize(run_dir, rows, acc_points, time.monotonic() - t0, run.buffer.max_staleness)
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")

@@ -10,6 +10,9 @@ scorer is started again after it died:
       learner:   {num_cpus: 8, num_gpus: 1, strategy: PACK}
       max_restarts: 3
 
+OpenRLHF's placement flags (`--actor.num_nodes`, `--actor_num_gpus_per_node`, `--vllm.num_engines`,
+...) become the process counts and `ray.<role>.gpus_if_available` (`ray_placement`).
+
 Also here, without Ray: `load` (the run config with `ray:` taken apart, paths made absolute),
 `tie_addresses` (the discovered buffer and weight-sync addresses into every section that dials
 them) and `check_resources` (a request no node can hold is refused at once, naming the role and the
@@ -19,6 +22,7 @@ resource, instead of waiting forever for a placement group).
 from __future__ import annotations
 
 import os
+import sys
 import tempfile
 from pathlib import Path
 from typing import ClassVar, Literal, Sequence
@@ -27,6 +31,7 @@ from pydantic import Field
 
 from launch.config import ConfigError, Section, apply_flags, build, parse_overrides, read_yaml, render_help
 from launch.config import tie_addresses as _tie
+from launch.openrlhf import LEGACY
 
 STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
 
@@ -44,6 +49,9 @@ class RoleResources(Section):
     """GPUs per process; a generator reserves num_gpus x generator.tensor_parallel_size, on one node."""
     memory_gb: float = Field(0.0, ge=0)
     """Host memory reserved per process in GiB (0: none; Ray's memory resource)."""
+    gpus_if_available: float = Field(0.0, ge=0)
+    """GPUs per process reserved only when the cluster has GPUs (OpenRLHF's placement flags set 1),
+    so that the same command runs on a CPU cluster, each process on CPUs; num_gpus, when set, wins."""
     strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = "PACK"
     """How the role's placement group lays out its bundles (learner ranks; the generators started
     with the run): PACK (as few nodes as fit), SPREAD (different nodes where possible),
@@ -51,11 +59,18 @@ class RoleResources(Section):
 
     def bundle(self, gpus_scale: int = 1) -> dict[str, float]:
         b = {"CPU": float(self.num_cpus)}
-        if self.num_gpus:
-            b["GPU"] = float(self.num_gpus) * gpus_scale
+        gpus = self.num_gpus or (self.gpus_if_available if cluster_has_gpus() else 0.0)
+        if gpus:
+            b["GPU"] = float(gpus) * gpus_scale
         if self.memory_gb:
             b["memory"] = float(self.memory_gb) * (1 << 30)
         return b
+
+
+def cluster_has_gpus() -> bool:
+    """Whether the Ray cluster this process joined has any GPU (False before it joined one)."""
+    ray = sys.modules.get("ray")
+    return bool(ray is not None and ray.is_initialized() and ray.cluster_resources().get("GPU", 0) > 0)
 
 
 def _small() -> RoleResources:
@@ -124,19 +139,70 @@ def split_ray_section(config_path: str | Path | None, argv: Sequence[str]) -> tu
     ray_tree = tree.pop("ray", None) or {}
     if not isinstance(ray_tree, dict):
         raise ConfigError(f"{config_path}: section 'ray' must be a mapping")
-    mine: list[str] = []
-    rest: list[str] = []
-    argv = list(argv)
-    i = 0
-    while i < len(argv):
-        takes_value = "=" not in argv[i] and i + 1 < len(argv) and not argv[i + 1].startswith("--")
-        (mine if argv[i].startswith("--ray.") else rest).extend(argv[i:i + 1 + takes_value])
-        i += 1 + takes_value
-    parse_overrides(rest)  # the flags' shape is checked now; their keys by load_run_config
+    mine, rest = _split(list(argv), lambda flag: flag.startswith("--ray."))
+    placed, used = ray_placement(parse_overrides(rest))  # the flags' shape is checked now, their keys later
+    # OpenRLHF's placement flags become process counts and ray.<role> resources here
+    rest = _split(rest, lambda flag: flag[2:].split("=")[0].replace("-", "_") in used)[1]
+    mine += [f"--{k}={v}" for k, v in placed.items() if k.startswith("ray.")]
+    rest += [f"--{k}={v}" for k, v in placed.items() if not k.startswith("ray.")]
     sub = {"ray": ray_tree}
     apply_flags(sub, mine, {"ray": RayConfig})
     cfg = build(RayConfig, sub["ray"], "ray", complete=True)
     return cfg, tree, rest
+
+
+def _split(argv: list[str], picked) -> tuple[list[str], list[str]]:
+    """(the flags `picked(flag)` chooses, with their values; the others), in their order."""
+    yes: list[str] = []
+    no: list[str] = []
+    i = 0
+    while i < len(argv):
+        n = 1
+        while "=" not in argv[i] and i + n < len(argv) and not argv[i + n].startswith("--"):
+            n += 1  # several values (nargs)
+        (yes if picked(argv[i]) else no).extend(argv[i:i + n])
+        i += n
+    return yes, no
+
+
+# --------------------------------------------------------------------------------------------
+# OpenRLHF's placement flags as the Ray launcher's resources
+
+ROLE_OF = {"actor": "learner", "ref": "scorer", "reward": "scorer", "critic": "learner"}
+
+
+def ray_placement(flags: dict[str, str]) -> tuple[dict[str, str], set[str]]:
+    """OpenRLHF's placement flags among `flags` (parsed overrides) as `launch.ray` keys.
+
+    (overrides, the flags they replace): learner ranks = actor nodes x GPUs per node; scorers = the
+    larger of ref's and reward's nodes x GPUs (each scorer serves both models); generators = vLLM
+    engines. Each such role then reserves 1 GPU per process (x the engine's tensor-parallel size)
+    when the cluster has GPUs (`ray.<role>.gpus_if_available`). Several nodes are fine here; PACK
+    spreads a role over as few as hold it. Explicit `--run.*` counts win."""
+    per_role: dict[str, dict[str, int]] = {}
+    used: set[str] = set()
+    for key, value in flags.items():
+        dotted = LEGACY.get(key, key)
+        head, _, what = dotted.partition(".")
+        if head in ROLE_OF and what in ("num_nodes", "num_gpus_per_node"):
+            try:
+                per_role.setdefault(head, {})[what] = int(value)
+            except ValueError:
+                raise ConfigError(f"--{key}: expected a whole number, got {value!r}") from None
+            used.add(key)
+    out: dict[str, str] = {}
+    counts = {r: v.get("num_nodes", 1) * v.get("num_gpus_per_node", 1) for r, v in per_role.items()}
+    if "actor" in counts and "run.learner_ranks" not in flags:
+        out["run.learner_ranks"] = str(counts["actor"])
+    scorers = [counts[r] for r in ("ref", "reward") if r in counts]
+    if scorers and "run.num_scorers" not in flags:
+        out["run.num_scorers"] = str(max(scorers))
+    roles = {ROLE_OF[r] for r in per_role}
+    if any(LEGACY.get(k, k) == "vllm.num_engines" for k in flags):
+        roles.add("generator")
+    for role in sorted(roles):
+        out.setdefault(f"ray.{role}.gpus_if_available", "1")
+    return out, used
 
 
 # --------------------------------------------------------------------------------------------

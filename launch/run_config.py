@@ -23,7 +23,7 @@ from typing import Any, ClassVar, Literal, Sequence
 
 from pydantic import Field, field_validator
 
-from launch.config import (Alias, ConfigError, Section, apply_flags, bf16, build, is_set, read_yaml, renames,
+from launch.config import (ConfigError, Section, apply_flags, build, is_set, read_yaml,
                            render_help, suggest, tie_addresses)
 
 
@@ -86,47 +86,8 @@ def section_classes() -> dict[str, type]:
             "learner": LearnerConfig, "weight_sync": WeightSyncConfig, "eval": EvalConfig}
 
 
-# OpenRLHF quick-start flags, with the same meaning here
-def _estimator(v: str) -> str:
-    names = {"group_norm": "grpo", "grpo": "grpo", "dr_grpo": "dr_grpo", "rloo": "rloo", "gae": "gae",
-             "reinforce": "reinforce_pp", "reinforce_baseline": "rloo", "reinforce_pp": "reinforce_pp"}
-    if v not in names:
-        raise ConfigError(f"--advantage_estimator: {v!r} is not one of {sorted(names)}")
-    return names[v]
-
-
-ALIASES: dict[str, Alias] = {
-    **renames(pretrain=("learner.model_path", "generator.model"), reward_pretrain="scorer.reward_model",
-              save_path="run.run_dir", micro_rollout_batch_size="generator.groups_per_lease",
-              n_samples_per_prompt="buffer.n_samples_per_prompt", max_epochs="learner.ppo_epochs",
-              num_episodes="buffer.max_epochs", prompt_max_len="generator.prompt_max_len",
-              generate_max_len="generator.max_new_tokens", learning_rate="learner.lr",
-              actor_learning_rate="learner.lr", critic_learning_rate="learner.critic_lr",
-              init_kl_coef="learner.kl_coef", vllm_num_engines="run.num_generators",
-              vllm_tensor_parallel_size="generator.tensor_parallel_size", prompt_data="buffer.prompts",
-              seed=("learner.seed", "generator.seed"), temperature=("generator.temperature", "learner.temperature"),
-              zero_stage="learner.zero_stage"),
-    # OpenRLHF counts samples: resolved against n_samples_per_prompt and the ranks in `finish`
-    "micro_train_batch_size": Alias(("extra.micro_train_batch_size",), int),
-    "train_batch_size": Alias(("extra.train_batch_size",), int),
-    "rollout_batch_size": Alias(("buffer.prompts_per_step", "extra.rollout_batch_size")),
-    "advantage_estimator": Alias(("learner.advantage_estimator",), _estimator),
-    "bf16": Alias(("learner.dtype",), bf16),
-    # recipes (DAPO, LoRA, packing): OpenRLHF 0.11's flags and 0.11.2's dotted ones
-    **renames(packing_samples="learner.packing", lora_rank="learner.lora_rank", lora_alpha="learner.lora_alpha",
-              lora_dropout="learner.lora_dropout", target_modules="learner.lora_target_modules",
-              dynamic_filtering="buffer.dynamic_filtering",
-              dynamic_filtering_reward_range="buffer.dynamic_filtering_range",
-              overlong_buffer_len="scorer.overlong_buffer_len",
-              overlong_penalty_factor="scorer.overlong_penalty_factor"),
-    **renames(**{"ds.packing_samples": "learner.packing", "ds.lora.rank": "learner.lora_rank",
-                 "ds.lora.alpha": "learner.lora_alpha", "ds.lora.dropout": "learner.lora_dropout",
-                 "ds.lora.target_modules": "learner.lora_target_modules",
-                 "algo.dynamic_filtering_enable": "buffer.dynamic_filtering",
-                 "algo.dynamic_filtering_range": "buffer.dynamic_filtering_range",
-                 "reward.overlong_buffer_len": "scorer.overlong_buffer_len",
-                 "reward.overlong_penalty_factor": "scorer.overlong_penalty_factor"}),
-}
+# OpenRLHF's train_ppo_ray flags (0.11.2 and 0.11's names): mapped, accepted or refused, flag by flag
+from launch.openrlhf import ALIASES, resolve as resolve_openrlhf  # noqa: E402,F401 (finish calls it)
 
 
 def run_help(doc: str) -> str:
@@ -209,6 +170,7 @@ def finish(run: Run, explicit: dict | None = None) -> None:
             if l.gradient_accumulation_steps < 1:
                 raise ConfigError(f"--micro_train_batch_size={micro} x learner.num_mini_batches="
                                   f"{l.num_mini_batches} exceeds the {per_rank} samples per rank")
+    resolve_openrlhf(run, explicit)  # the OpenRLHF flags that need others, and the refused ones
     if w.mode == "interrupt" and g.engine == "vllm":
         g.async_engine = True  # loading into a running batch needs vLLM's AsyncLLM
     if r.mode == "sync":
@@ -221,6 +183,11 @@ def finish(run: Run, explicit: dict | None = None) -> None:
     l.run_dir = str(Path(r.run_dir))
     if not b.state_dir:
         b.state_dir = str(Path(r.run_dir) / "buffer_state")
+    ev = run.eval
+    if ev.dataset and not is_set(explicit, "eval.samples_dir"):
+        ev.samples_dir = str(Path(r.run_dir) / "eval")
+    if not is_set(explicit, "learner.eval_every"):
+        l.eval_every = ev.every if ev.dataset else 0
     tie_addresses((g, s, l), b, w)
     if not is_set(explicit, "generator.lora_rank"):
         g.lora_rank = l.lora_rank  # the generator serves the adapters the learner trains
@@ -245,6 +212,11 @@ def finish(run: Run, explicit: dict | None = None) -> None:
         errors.append("no policy: set learner.model_path (or --pretrain)")
     elif not Path(l.model_path).is_dir():
         errors.append(f"learner.model_path={l.model_path!r} is not a folder")
+    if ev.every and not ev.dataset:
+        errors.append(f"eval.every={ev.every} needs eval.dataset (the prompts to evaluate on)")
+    if l.eval_every and l.eval_every % l.sync_every:
+        errors.append(f"eval.every={l.eval_every} must be a multiple of learner.sync_every={l.sync_every}: the "
+                      f"generators only ever hold the versions the learner publishes")
     if b.prompts_per_step % r.learner_ranks:
         errors.append(f"buffer.prompts_per_step={b.prompts_per_step} is not divisible by run.learner_ranks="
                       f"{r.learner_ranks} (each rank takes whole prompt groups)")
@@ -256,10 +228,15 @@ def finish(run: Run, explicit: dict | None = None) -> None:
                           f"{b.prompts_per_step} x n_samples_per_prompt={b.n_samples_per_prompt} / "
                           f"{r.learner_ranks} ranks), fewer than learner.num_mini_batches x "
                           f"gradient_accumulation_steps = {need}")
-    if b.prompts and not Path(b.prompts).is_file():
-        errors.append(f"buffer.prompts={b.prompts!r} is not a file")
-    if not b.prompts:
-        errors.append("no prompts: set buffer.prompts (or --prompt_data) to a JSONL file")
+    datasets = [p.strip() for p in b.prompts.split(",") if p.strip()]  # files or dataset folders
+    for p in datasets:
+        if not Path(p).exists():
+            errors.append(f"buffer.prompts: {p!r} is neither a file nor a folder (buffer.prompts={b.prompts!r})")
+    if not datasets:
+        errors.append("no prompts: set buffer.prompts (or --prompt_data) to a JSONL or Parquet file or a dataset folder")
+    elif b.prompt_probs is not None and len(b.prompt_probs) != len(datasets):
+        errors.append(f"buffer.prompt_probs={b.prompt_probs} needs one share per dataset of buffer.prompts "
+                      f"({len(datasets)}: {datasets})")
     if errors:
         raise ConfigError("; ".join(errors))
 

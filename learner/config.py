@@ -200,6 +200,14 @@ class LearnerConfig(OptimConfig, WeightSyncAddress, BufferAddress):
     weight_sync_timeout_s: float = Field(120.0, gt=0)
     """How long a publish may take before the run fails."""
 
+    # ---- evaluation during training (the eval: section; buffer/eval.py) -------------------------
+    eval_every: int = Field(0, ge=0)
+    """Ask the buffer for the evaluation of the policy every this many steps (and of the initial
+    one) before training on; taken from `eval.every` when `eval.dataset` is set; 0: never."""
+    eval_timeout_s: float = Field(600.0, gt=0)
+    """How long the learner waits for one evaluation before it goes on without it (said in the log,
+    counted as `eval/timeouts`)."""
+
     # ---- checkpoints ----------------------------------------------------------------------------
     save_every: int = Field(0, ge=0)
     """Save a checkpoint every this many steps (0: only at the end)."""

@@ -1,7 +1,7 @@
 """Datasets of the offline trainers: rows from files, tokenized into sequences with a response mask.
 
-Formats: JSONL (one object per line), Parquet (if pyarrow is importable) and folders written by
-`datasets.save_to_disk` (if the `datasets` package is importable). A row is either
+Rows come from `common.datasets.iter_rows`: JSONL, JSON, Parquet, `datasets.save_to_disk` folders and
+hub dataset folders (`cfg.dataset_split` picks the split). A row is either
 
   prompt/response   {"prompt": "...", "response": "..."}            (SFT)
   messages          {"messages": [{"role": "user", "content": ...}, {"role": "assistant", ...}]}
@@ -18,20 +18,13 @@ row raises `DatasetError` naming its file and line, or is skipped and counted (`
 
 from __future__ import annotations
 
-import json
 import random
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
-
-class DatasetError(ValueError):
-    """A data file that cannot be used; the message names the file (and line) and why."""
-
-
-class BadRow(ValueError):
-    """One row that cannot be used (raised inside this module, turned into a DatasetError or a skip)."""
+from common.datasets import BadRow, DatasetError, chat_messages, iter_rows, short_repr
 
 
 @dataclass
@@ -80,88 +73,12 @@ class DataStats:
 
 
 # ------------------------------------------------------------------------------------------------
-# reading rows
-
-
-def iter_rows(path: str | Path, split: str = "train") -> Iterator[tuple[str, Any]]:
-    """(where, row) for every row of a JSONL / Parquet file or a save_to_disk folder.
-
-    `where` is "file:line" (JSONL) or "file: row N"; a row is whatever the file holds there (a line
-    that is not JSON comes back as a BadRow, so the caller decides whether it is fatal).
-    """
-    p = Path(path)
-    if p.is_dir():
-        yield from _iter_saved_dataset(p, split)
-    elif not p.is_file():
-        raise DatasetError(f"{path}: no such file or folder")
-    elif p.suffix == ".parquet":
-        yield from _iter_parquet(p)
-    elif p.suffix in (".jsonl", ".json", ".ndjson"):
-        with p.open(encoding="utf-8") as f:
-            for n, line in enumerate(f, 1):
-                if not line.strip():
-                    continue  # blank lines (a trailing newline, a separator) are no rows
-                try:
-                    yield f"{p}:{n}", json.loads(line)
-                except json.JSONDecodeError as e:
-                    yield f"{p}:{n}", BadRow(f"not valid JSON ({e.msg} at column {e.colno})")
-    else:
-        raise DatasetError(f"{path}: unknown format {p.suffix!r}; use .jsonl, .parquet or a datasets.save_to_disk folder")
-
-
-def _iter_parquet(p: Path) -> Iterator[tuple[str, Any]]:
-    try:
-        import pyarrow.parquet as pq
-    except ImportError:
-        raise DatasetError(f"{p}: reading Parquet needs pyarrow (pip install pyarrow)") from None
-    n = 0
-    for batch in pq.ParquetFile(str(p)).iter_batches(batch_size=1024):
-        for row in batch.to_pylist():
-            yield f"{p}: row {n}", row
-            n += 1
-
-
-def _iter_saved_dataset(p: Path, split: str) -> Iterator[tuple[str, Any]]:
-    try:
-        import datasets
-    except ImportError:
-        raise DatasetError(f"{p}: reading a datasets.save_to_disk folder needs the `datasets` package "
-                           f"(pip install datasets)") from None
-    ds = datasets.load_from_disk(str(p))
-    if isinstance(ds, datasets.DatasetDict):
-        if split not in ds:
-            raise DatasetError(f"{p}: no split {split!r} (it has {sorted(ds)}); set dataset_split")
-        ds = ds[split]
-    for n, row in enumerate(ds):
-        yield f"{p}: row {n}", row
-
-
-# ------------------------------------------------------------------------------------------------
 # rows -> chat messages
-
-
-def _messages(value: Any, key: str) -> list[dict]:
-    """A column as a list of {role, content} messages (a string is one user message)."""
-    if isinstance(value, str):
-        return [{"role": "user", "content": value}]
-    if not isinstance(value, list) or not value:
-        raise BadRow(f"{key!r} must be a string or a non-empty list of messages, got {_show(value)}")
-    out = []
-    for i, m in enumerate(value):
-        if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
-            raise BadRow(f"{key!r}[{i}] must be {{'role': str, 'content': str}}, got {_show(m)}")
-        out.append({"role": m["role"], "content": m["content"]})
-    return out
-
-
-def _show(value: Any, n: int = 60) -> str:
-    s = repr(value)
-    return s if len(s) <= n else s[: n - 3] + "..."
 
 
 def _need(row: Any, key: str) -> Any:
     if not isinstance(row, dict):
-        raise BadRow(f"a row must be a JSON object, got {_show(row)}")
+        raise BadRow(f"a row must be a JSON object, got {short_repr(row)}")
     if key not in row or row[key] is None:
         raise BadRow(f"missing key {key!r} (keys: {sorted(row)})")
     return row[key]
@@ -170,18 +87,18 @@ def _need(row: Any, key: str) -> Any:
 def sft_conversation(row: Any, cfg) -> tuple[list[dict], bool]:
     """(messages, all_turns) of an SFT row: every assistant message is trained on."""
     if isinstance(row, dict) and row.get(cfg.messages_key) is not None:
-        msgs = _messages(row[cfg.messages_key], cfg.messages_key)
+        msgs = chat_messages(row[cfg.messages_key], cfg.messages_key)
         if not any(m["role"] == "assistant" for m in msgs):
             raise BadRow(f"{cfg.messages_key!r} has no assistant message to train on")
         return msgs, True
     if not isinstance(row, dict) or cfg.prompt_key not in row and cfg.response_key not in row:
-        keys = sorted(row) if isinstance(row, dict) else _show(row)
+        keys = sorted(row) if isinstance(row, dict) else short_repr(row)
         raise BadRow(f"has neither {cfg.prompt_key!r}/{cfg.response_key!r} nor {cfg.messages_key!r} (keys: {keys})")
     prompt = _need(row, cfg.prompt_key)
     response = _need(row, cfg.response_key)
     if not isinstance(response, str) or not response:
-        raise BadRow(f"{cfg.response_key!r} must be a non-empty string, got {_show(response)}")
-    msgs = _messages(prompt, cfg.prompt_key) if prompt != "" else []
+        raise BadRow(f"{cfg.response_key!r} must be a non-empty string, got {short_repr(response)}")
+    msgs = chat_messages(prompt, cfg.prompt_key) if prompt != "" else []
     return msgs + [{"role": "assistant", "content": response}], False
 
 
@@ -189,7 +106,7 @@ def pair_conversations(row: Any, cfg) -> tuple[list[dict], list[dict], float]:
     """(chosen messages, rejected messages, margin) of a preference row; the last message of each is the response."""
     chosen, rejected = _need(row, cfg.chosen_key), _need(row, cfg.rejected_key)
     prompt = row.get(cfg.prompt_key, "")
-    base = _messages(prompt, cfg.prompt_key) if prompt not in ("", None) else []
+    base = chat_messages(prompt, cfg.prompt_key) if prompt not in ("", None) else []
     out = []
     for key, value in ((cfg.chosen_key, chosen), (cfg.rejected_key, rejected)):
         if isinstance(value, str):
@@ -197,7 +114,7 @@ def pair_conversations(row: Any, cfg) -> tuple[list[dict], list[dict], float]:
                 raise BadRow(f"{key!r} is an empty string")
             out.append(base + [{"role": "assistant", "content": value}])
         else:
-            msgs = _messages(value, key)
+            msgs = chat_messages(value, key)
             if msgs[-1]["role"] != "assistant":
                 raise BadRow(f"{key!r} must end with an assistant message, ends with role {msgs[-1]['role']!r}")
             out.append(base + msgs)
@@ -206,7 +123,7 @@ def pair_conversations(row: Any, cfg) -> tuple[list[dict], list[dict], float]:
     if key and row.get(key) is not None:
         m = row[key]
         if isinstance(m, bool) or not isinstance(m, (int, float)):
-            raise BadRow(f"{key!r} must be a number, got {_show(m)}")
+            raise BadRow(f"{key!r} must be a number, got {short_repr(m)}")
         margin = float(m)
     return out[0], out[1], margin
 

@@ -26,22 +26,23 @@ Losses are normalised over the whole mini-batch of all ranks (token or sequence 
 over ranks first), so the gradient does not depend on how the batch was split. The pieces every
 learner shares (engines, log-probs, the mean over ranks, the metrics writer, checkpoints) live in
 `learner.engine`, `learner.modeling`, `learner.metrics` and `learner.checkpoint`; the offline
-trainers (`learner.offline`) use the same ones.
+trainers (`learner.offline`) use the same ones. What the loop asks of the buffer (its share of a
+batch, the handshake, the version, evaluations during training) is in `learner.source`.
+
+With evaluation during training (`eval:` section), rank 0 asks the buffer for the evaluation of
+version N before step N (every `eval_every` versions, and the final one), and logs it with step N.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import time
 from collections import defaultdict
 from contextlib import ExitStack, closing
-from enum import IntEnum
 
 import torch
 import torch.distributed as dist
 
-from buffer.client import BufferClient, BufferDone, BufferError, ResumeNeeded
-from buffer.protocol import Batch
+from buffer.client import BufferClient
 from common.ready import mark_ready
 from learner.advantages import (broadcast, gae_advantages, grpo_advantages, reinforce_pp_advantages,
                                 rloo_advantages, token_rewards, whiten)
@@ -52,6 +53,7 @@ from learner.config import LearnerConfig
 from learner.engine import (all_reduce_sum, build_critic_engine, build_policy_engine, grad_norm,
                             iter_publish_params, process_group)
 from learner.ledger import Ledger
+from learner.source import due, evaluate, fetch_batch, handshake, step_group_ids, tell_version
 from learner.lora import adapter_disabled, adapter_spec, is_lora
 from learner.losses import aggregate, behaviour_correction, kl_penalty, policy_loss, value_loss
 from learner.metrics import MetricsWriter, reduce_across_ranks, say
@@ -114,6 +116,8 @@ def train(cfg: LearnerConfig, source, rank: int, world: int, device: torch.devic
 
         last: dict[str, float] = {}
         while step < cfg.total_steps:
+            # (the policy of version `step` is what the generators hold now: the round is run with it)
+            evaluated = evaluate(source, step, cfg) if rank == 0 and due(cfg, step) else {}
             t0 = time.monotonic()
             batch = fetch_batch(source, step, rank, world, cfg, device, ledger)
             if batch is None:
@@ -156,11 +160,14 @@ def train(cfg: LearnerConfig, source, rank: int, world: int, device: torch.devic
                 # the buffer's own numbers are rank 0's share's (their keys may differ between ranks)
                 for k, v in buffer_stats(batch).items():
                     metrics.setdefault(k, v)
+                metrics.update(evaluated)
                 writer.log(trained_step, metrics)
                 log(f"step {trained_step}: loss {metrics['loss/policy']:.4f} reward {metrics['reward/mean']:.3f} "
                     f"staleness {metrics.get('buffer/staleness_mean', 0):.2f} wait {t_wait:.2f}s train {t_train:.2f}s")
             last = metrics
 
+        if rank == 0 and step == cfg.total_steps and step > start_step and due(cfg, step):
+            writer.log(step, evaluate(source, step, cfg))  # the final policy's
         if step > start_step and saved_step != step:
             checkpoint(cfg, step, policy, critic, ledger, final=True)
     return last
@@ -371,79 +378,7 @@ def shuffle_seed(cfg: LearnerConfig, step: int, epoch: int) -> int:
 
 
 # ------------------------------------------------------------------------------------------------
-# the buffer and the weight-sync service
-
-
-class Outcome(IntEnum):
-    """What one rank got when it asked for its share; ranks agree on the lowest (an all-reduce MIN),
-    so one rank's trouble stops them all, together."""
-
-    FAILED = 0  # no answer in time, or the buffer refused
-    DONE = 1  # the buffer has no more data
-    SHORT = 2  # fewer rollouts than the forwards every rank runs per pass
-    OK = 3
-
-
-@dataclasses.dataclass
-class Share:
-    """One rank's answer for one step, before the ranks agree."""
-
-    outcome: Outcome
-    batch: Batch | None = None
-    why: str = ""  # FAILED: the error
-
-
-def fetch_batch(source, step: int, rank: int, world: int, cfg: LearnerConfig, device: torch.device,
-                ledger: Ledger | None = None) -> Batch | None:
-    """This rank's share of step `step`, or None when the buffer is done. All ranks agree on which
-    (collective); a failure or a share too small for the step on any rank fails every rank."""
-    share = ask_for_share(source, step, rank, world, cfg, ledger)
-    flag = torch.tensor([int(share.outcome)], device=device)
-    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
-    agreed = Outcome(int(flag.item()))
-    if agreed is Outcome.FAILED:
-        raise RuntimeError(f"rank {rank} got no batch for step {step} (batch_timeout_s={cfg.batch_timeout_s}): "
-                           + (share.why or "another rank failed to get its share"))
-    if agreed is Outcome.SHORT:
-        raise RuntimeError(
-            f"a rank's share of step {step} has fewer rollouts than num_mini_batches x gradient_accumulation_steps "
-            f"= {cfg.num_mini_batches * cfg.gradient_accumulation_steps} (this rank: "
-            f"{len(share.batch.scored) if share.batch else 0}); raise buffer.prompts_per_step or lower those")
-    return share.batch if agreed is Outcome.OK else None
-
-
-def ask_for_share(source, step: int, rank: int, world: int, cfg: LearnerConfig, ledger: Ledger | None) -> Share:
-    """This rank's own answer (no collective).
-
-    While it waits, the buffer's diagnosis (admission, generators, scorers) is logged every
-    `wait_log_s`; after `batch_timeout_s` it is FAILED with it. A buffer that restarted from disk
-    asks for the resume handshake again: rank 0 gives it (the lineage is the one in memory).
-    """
-    def on_wait(waited_s: float, reason: str) -> None:
-        log(f"rank {rank} waiting {waited_s:.0f}s for step {step}'s batch: {reason}")
-
-    deadline = time.monotonic() + cfg.batch_timeout_s
-    kw = {"on_wait": on_wait, "report_every_s": cfg.wait_log_s} if isinstance(source, BufferClient) else {}
-    try:
-        while True:
-            try:
-                batch = source.get_batch(step, rank, world, timeout_s=max(1.0, deadline - time.monotonic()), **kw)
-                break
-            except ResumeNeeded:
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"the buffer kept asking for the resume handshake for "
-                                       f"{cfg.batch_timeout_s:.0f}s") from None
-                if rank == 0:
-                    log(f"the buffer restarted from disk: resume handshake again at step {step}")
-                    handshake(source, step, ledger)
-                else:
-                    time.sleep(0.5)
-    except BufferDone:
-        return Share(Outcome.DONE)
-    except (TimeoutError, BufferError, OSError) as e:
-        return Share(Outcome.FAILED, why=f"{type(e).__name__}: {e}")
-    enough = len(batch.scored) >= cfg.num_mini_batches * cfg.gradient_accumulation_steps
-    return Share(Outcome.OK if enough else Outcome.SHORT, batch)
+# the weight-sync service and checkpoints
 
 
 def publish(sender, policy, version: int, rank: int) -> dict:
@@ -458,40 +393,6 @@ def publish(sender, policy, version: int, rank: int) -> dict:
     for _ in params:  # other ranks (and rank 0, if the sender stopped early) finish the gathers
         pass
     return stats
-
-
-def step_group_ids(batch, world: int, device: torch.device) -> list[int]:
-    """The prompt groups of the whole step (every rank's share), for the ledger; collective."""
-    mine = sorted({s.rollout.group_id for s in batch.scored})
-    if world == 1:
-        return mine
-    counts = [torch.zeros(1, dtype=torch.int64, device=device) for _ in range(world)]
-    dist.all_gather(counts, torch.tensor([len(mine)], dtype=torch.int64, device=device))
-    width = int(max(c.item() for c in counts))
-    padded = torch.full((width,), -1, dtype=torch.int64, device=device)
-    padded[: len(mine)] = torch.tensor(mine, dtype=torch.int64)
-    gathered = [torch.empty_like(padded) for _ in range(world)]
-    dist.all_gather(gathered, padded)  # (world, width), -1 past each share's end
-    return sorted(int(g) for t in gathered for g in t.tolist() if g >= 0)
-
-
-def handshake(source, step: int, ledger: Ledger | None) -> None:
-    """Tell the buffer where this lineage stands: step `step`, the groups of steps 0..step-1."""
-    resume = getattr(source, "resume", None)
-    if resume is None:  # a stand-in source (tests) keeps no state across restarts: the version will do
-        tell_version(source, step)
-        return
-    trained = ledger.trained() if ledger is not None else []
-    resume(step, trained)
-    if step:
-        log(f"buffer told: resuming at step {step} with {len(trained)} groups trained")
-
-
-def tell_version(source, version: int) -> None:
-    try:
-        source.set_version(version)
-    except (BufferError, TimeoutError) as e:
-        log(f"could not tell the buffer version {version}: {e}")
 
 
 def weight_sender(cfg: LearnerConfig, weight_sync=None):

@@ -64,8 +64,10 @@ def write_prompts(path: Path, n: int) -> Path:
     return path
 
 
-def start_buffer(tmp_path: Path, n_prompts: int = 64, extra: tuple = (), **cfg) -> BufferProc:
-    """Start a buffer with `--buffer.KEY VALUE` for each of `cfg`; wait for its ready file."""
+def start_buffer(tmp_path: Path, n_prompts: int = 64, extra: tuple = (), config: Path | None = None,
+                 **cfg) -> BufferProc:
+    """Start a buffer (from the run config file `config`, if given) with `--buffer.KEY VALUE` for
+    each of `cfg`; wait for its ready file."""
     prompts = tmp_path / "prompts.jsonl"
     if not prompts.exists():
         write_prompts(prompts, n_prompts)
@@ -75,7 +77,8 @@ def start_buffer(tmp_path: Path, n_prompts: int = 64, extra: tuple = (), **cfg) 
         log = tmp_path / f"buffer-{port}.log"
         ready = tmp_path / f"buffer-{port}.ready"
         args = [a for k, v in cfg.items() for a in (f"--buffer.{k}", str(v))]
-        proc = subprocess.Popen([sys.executable, "-m", "launch.buffer", "--buffer.port", str(port), *args, *extra],
+        head = [str(config)] if config else []
+        proc = subprocess.Popen([sys.executable, "-m", "launch.buffer", *head, "--buffer.port", str(port), *args, *extra],
                                 cwd=ROOT, stdout=subprocess.DEVNULL, stderr=open(log, "w"), text=True,
                                 env={**os.environ, "PYTHONPATH": str(ROOT), READY_ENV: str(ready)})
         deadline = time.monotonic() + 30

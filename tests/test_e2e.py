@@ -37,7 +37,7 @@ def warm_setup(tmp_path_factory):
     prompts = write_jsonl(train, d / "train.jsonl")
     warm = warm_start(build_tiny_model(d / "base", seed=0), d / "warm", train, WARM_STEPS, seed=0, log_every=0)
     return {"dir": d, "prompts": prompts, "warm": warm, "heldout": heldout,
-            "acc0": greedy_accuracy(str(warm), heldout)}
+            "heldout_path": write_jsonl(heldout, d / "heldout.jsonl"), "acc0": greedy_accuracy(str(warm), heldout)}
 
 
 def launch_local(run_dir: Path, setup: dict, *extra: str) -> subprocess.Popen:
@@ -68,10 +68,12 @@ def generator_pids(launcher_pid: int, worker_id: str) -> list[int]:
 
 @pytest.fixture(scope="module")
 def async_run(warm_setup):
-    """40 async GRPO steps with two generators; generator gen-1 is SIGKILLed (with its engine) at step 10."""
+    """40 async GRPO steps with two generators, evaluated greedily on the held-out prompts every 20
+    steps; generator gen-1 is SIGKILLed (with its engine) at step 10."""
     run_dir = warm_setup["dir"] / "async_run"
     proc = launch_local(run_dir, warm_setup, "--learner.total_steps", "40", "--learner.save_every", "20",
-                        "--run.num_generators", "2")
+                        "--run.num_generators", "2", "--eval.dataset", str(warm_setup["heldout_path"]),
+                        "--eval.every", "20", "--eval.n_samples_per_prompt", "1", "--eval.temperature", "0")
     killed = None
     deadline = time.monotonic() + 900
     try:
@@ -87,7 +89,9 @@ def async_run(warm_setup):
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
             pytest.fail("the async run did not finish within 15 minutes")
-    return {"dir": run_dir, "code": proc.returncode, "out": out, "killed": killed, "rows": metrics(run_dir)}
+    rows = metrics(run_dir)
+    return {"dir": run_dir, "code": proc.returncode, "out": out, "killed": killed,
+            "rows": [r for r in rows if "loss/policy" in r], "eval": {r["step"]: r for r in rows if "eval/pass@1" in r}}
 
 
 @pytest.mark.slow
@@ -121,6 +125,30 @@ def test_async_run_reward_rises_within_the_staleness_bound(async_run, warm_setup
     final = async_run["dir"] / "checkpoints" / "step_40"
     acc = greedy_accuracy(str(final), warm_setup["heldout"])
     assert acc >= warm_setup["acc0"] + 0.1, f"held-out accuracy {warm_setup['acc0']:.3f} -> {acc:.3f}"
+
+
+@pytest.mark.slow
+def test_evaluation_during_training_matches_an_offline_evaluation_of_the_checkpoints(async_run, warm_setup):
+    """eval/pass@1 at steps 0, 20 and 40 (served by the run's generators at that version, greedy)
+    against transformers' greedy answers of the warm start and of checkpoints step_20 and step_40."""
+    from demo.arithmetic import answer_of, greedy_answers
+
+    evals = async_run["eval"]
+    assert sorted(evals) == [0, 20, 40], sorted(evals)
+    heldout = warm_setup["heldout"]
+    for step, model in ((0, warm_setup["warm"]), (20, async_run["dir"] / "checkpoints" / "step_20"),
+                        (40, async_run["dir"] / "checkpoints" / "step_40")):
+        offline = greedy_answers(str(model), heldout)
+        rows = [json.loads(x) for x in (async_run["dir"] / "eval" / f"version_{step}.jsonl").read_text().splitlines()]
+        online = {r["index"]: answer_of(r["completion"]) for r in rows}
+        assert sorted(online) == list(range(len(heldout))), f"step {step}: not every held-out prompt was evaluated"
+        same = sum(online[i] == a for i, a in enumerate(offline))
+        # vLLM's CPU kernels and transformers' sum in different orders: a near-tie may flip one argmax
+        assert same >= len(heldout) - 2, f"step {step}: {len(heldout) - same} greedy answers differ"
+        acc = sum(a == p["label"] for a, p in zip(offline, heldout)) / len(heldout)
+        assert abs(evals[step]["eval/pass@1"] - acc) <= 2 / len(heldout), (step, evals[step]["eval/pass@1"], acc)
+        assert evals[step]["eval/prompts"] == len(heldout) and evals[step]["eval/k"] == 1
+    assert evals[40]["eval/pass@1"] > evals[0]["eval/pass@1"]
 
 
 @pytest.mark.slow
