@@ -403,8 +403,11 @@ def apply_flags(tree: dict, argv: Sequence[str] | Mapping[str, Any], sections: M
                 continue
             try:
                 value = alias.convert(value)
-            except (TypeError, ValueError):
-                raise ConfigError(f"--{key}: cannot use {value!r}") from None
+            except ConfigError:
+                raise
+            except (TypeError, ValueError) as e:
+                why = str(e) if isinstance(e, ValueError) and str(e) and "invalid literal" not in str(e) else ""
+                raise ConfigError(f"--{key}: cannot use {value!r}" + (f" ({why})" if why else "")) from None
             for t in alias.targets:
                 if t.startswith("extra."):
                     extra[t[6:]] = value

@@ -25,6 +25,9 @@ from pydantic import Field, field_validator
 
 from launch.config import (ConfigError, Section, apply_flags, build, is_set, read_yaml,
                            render_help, suggest, tie_addresses)
+# OpenRLHF's train_ppo_ray flags (0.11.2 and 0.11's names): mapped, accepted or refused, flag by flag
+from launch.openrlhf import ALIASES
+from launch.openrlhf_resolve import resolve as resolve_openrlhf
 
 
 class RunConfig(Section):
@@ -84,10 +87,6 @@ def section_classes() -> dict[str, type]:
 
     return {"run": RunConfig, "buffer": BufferConfig, "generator": GeneratorConfig, "scorer": ScorerConfig,
             "learner": LearnerConfig, "weight_sync": WeightSyncConfig, "eval": EvalConfig}
-
-
-# OpenRLHF's train_ppo_ray flags (0.11.2 and 0.11's names): mapped, accepted or refused, flag by flag
-from launch.openrlhf import ALIASES, resolve as resolve_openrlhf  # noqa: E402,F401 (finish calls it)
 
 
 def run_help(doc: str) -> str:

@@ -1,4 +1,4 @@
-"""Fixtures shared by the whole suite: the tiny model folder and free ports.
+"""Fixtures shared by the whole suite: the tiny model folder (and a reward model of its shape), free ports.
 
 Expensive things are built once per session (the tiny model) so that the suite stays within its
 time budget on a 2-core machine.
@@ -6,6 +6,7 @@ time budget on a 2-core machine.
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 from pathlib import Path
@@ -37,3 +38,25 @@ def subprocess_env() -> dict[str, str]:
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     env.setdefault("TOKENIZERS_PARALLELISM", "false")
     return env
+
+
+@pytest.fixture(scope="session")
+def quick_start_files(tiny_model_dir, tmp_path_factory):
+    """The tiny policy, a reward model of its shape (a sequence-classification head, seeded), and
+    16 arithmetic prompts under both OpenRLHF's default key (`input`) and Conveyor's (`prompt`)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTokenizer
+
+    from demo.arithmetic import make_problems
+
+    out = tmp_path_factory.mktemp("quick_start")
+    cfg = AutoConfig.from_pretrained(tiny_model_dir)
+    cfg.num_labels = 1
+    torch.manual_seed(1)
+    AutoModelForSequenceClassification.from_config(cfg).save_pretrained(out / "rm")
+    AutoTokenizer.from_pretrained(tiny_model_dir).save_pretrained(out / "rm")
+    rows = make_problems(16, seed=3)
+    prompts = out / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"input": r["prompt"], "prompt": r["prompt"], "label": r["label"]}) + "\n"
+                               for r in rows))
+    return {"model": str(tiny_model_dir), "rm": str(out / "rm"), "prompts": str(prompts), "dir": out}

@@ -302,3 +302,31 @@ def test_help_lists_the_flags_grouped_with_their_meaning_fast():
         assert "--eval.steps [--eval_steps] -> eval.every" in text
         assert "--ds.ring_attn_size [--ring_attn_size]: ring attention is not supported" in text
         assert "Conveyor's\nown keys win" in text or "own keys win" in text
+
+
+# ---- the quick start, run: the tiny model as policy and (with a value head) as reward model ----------
+
+
+def run_quick_start(files, save_path: Path, *more: str) -> list[str]:
+    """The toolkit page's PPO quick start with its models and data pointed here and its sizes shrunk:
+    8 prompts a step, 16 prompts in all, one episode."""
+    swap = {"meta-llama/Llama-3.1-8B": files["model"], "meta-llama/Llama-3.1-8B-RM": files["rm"],
+            "./checkpoint": str(save_path)}
+    return [swap.get(a, a) for a in QUICK_START] + ["--prompt_data", files["prompts"], *SHRINK, *more]
+
+
+@pytest.mark.slow
+def test_the_quick_start_trains_through_launch_local(quick_start_files, tmp_path):
+    from conftest import subprocess_env
+
+    run_dir = tmp_path / "checkpoint"
+    res = subprocess.run([sys.executable, "-m", "launch.local", *run_quick_start(quick_start_files, run_dir)],
+                         cwd=ROOT, env=subprocess_env(), capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    # 16 prompts, 8 a step, one episode: two steps, then the buffer is done and the run ends
+    assert [r["step"] for r in rows] == [0, 1]
+    assert all(math.isfinite(r["reward/mean"]) and r["perf/samples"] == 8 * 4 for r in rows)  # Conveyor's n=4
+    assert (run_dir / "checkpoints" / "step_2" / "config.json").is_file()
+    resolved = (run_dir / "config.yaml").read_text()
+    assert quick_start_files["rm"] in resolved and "reward_model" in resolved

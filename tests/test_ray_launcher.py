@@ -496,3 +496,24 @@ def test_no_learner_step_for_stall_timeout_stops_the_run_with_the_buffers_diagno
     exit_info = json.loads((run_dir / "exit.json").read_text())
     assert (exit_info["code"], exit_info["resumes"], exit_info["attempts"]) == (8, 0, [8]), exit_info
     assert "stall_timeout_s=15" in exit_info["reason"] and "buffer" in exit_info["reason"], exit_info
+
+
+@pytest.mark.slow
+def test_the_quick_start_runs_through_the_drop_in_train_ppo_ray(cluster, quick_start_files, tmp_path):
+    """`python -m launch.train_ppo_ray` with the toolkit page's PPO quick start (its models and data
+    pointed at the tiny ones, sizes shrunk), as `ray job submit -- python3 -m ...` would start it:
+    OpenRLHF's defaults (synchronous PPO with GAE, the critic from the reward model, one sample per
+    prompt), its GPU placement flags on a cluster without GPUs, to completion."""
+    from test_openrlhf_cli import run_quick_start
+
+    run_dir = tmp_path / "checkpoint"
+    argv = [PY, "-m", "launch.train_ppo_ray", *run_quick_start(quick_start_files, run_dir, "--train_batch_size", "8"),
+            "--ray.address", cluster_address(cluster), *SMALL]  # (one sample per prompt: 8 a step)
+    res = subprocess.run(argv, cwd=ROOT, env=ray_env(), capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    rows = metrics(run_dir)
+    assert [r["step"] for r in rows] == [0, 1]  # 16 prompts, 8 a step, one episode
+    assert all(r["perf/samples"] == 8 and "loss/value" in r for r in rows), rows[0]  # n=1; a critic trains
+    cfg = yaml.safe_load((run_dir / "configs" / "learner-0.yaml").read_text())
+    assert cfg["learner"]["advantage_estimator"] == "gae" and cfg["learner"]["critic_path"] == quick_start_files["rm"]
+    assert (run_dir / "checkpoints" / "step_2" / "config.json").is_file()
