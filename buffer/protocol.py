@@ -34,7 +34,7 @@ import msgspec
 import numpy as np
 from msgspec import Meta, Struct
 
-from common.wire import GROUP_DTYPE, ID_DTYPE, LOGPROB_DTYPE, ProtocolError, field_decoder, short
+from common.wire import GROUP_DTYPE, ID_DTYPE, LOGPROB_DTYPE, MASK_DTYPE, ProtocolError, field_decoder, short
 from common.wire import pack_array  # noqa: F401 (part of this module's API, as before)
 
 SCHEMA_VERSION = 1
@@ -66,6 +66,7 @@ Text = Annotated[str, Meta(max_length=MAX_STR)]
 Seconds = Annotated[float, Meta(ge=0.0, le=1e9)]  # NaN fails `ge`
 Ids = Annotated[memoryview, Meta(max_length=MAX_TOKENS * ID_DTYPE.itemsize), ID_DTYPE]  # (T,) int32
 LogProbs = Annotated[memoryview, Meta(max_length=MAX_TOKENS * LOGPROB_DTYPE.itemsize), LOGPROB_DTYPE]  # (T,) f32
+Mask = Annotated[memoryview, Meta(max_length=MAX_TOKENS), MASK_DTYPE]  # (T,) uint8, 0 or 1
 Numbers = Annotated[dict[str, float], Meta(max_length=MAX_ITEMS)]
 Scalars = Annotated[dict[str, Union[int, float, str, bool, None]], Meta(max_length=MAX_ITEMS)]
 
@@ -107,12 +108,13 @@ _ID, _LP = ID_DTYPE.itemsize, LOGPROB_DTYPE.itemsize
 def _decoded_and_whole(r: "Rollout") -> bool:
     """A rollout just decoded (its packed fields the memoryviews msgspec makes) and well formed: each
     a whole number of values, the per-token ones as long as the completion. Else the general path."""
-    p, c, b, v = r.prompt_ids, r.completion_ids, r.behav_logprobs, r.versions
+    p, c, b, v, m = r.prompt_ids, r.completion_ids, r.behav_logprobs, r.versions, r.action_mask
     if type(p) is not memoryview or type(c) is not memoryview or type(b) is not memoryview \
-            or type(v) is not memoryview:
+            or type(v) is not memoryview or (m is not None and type(m) is not memoryview):
         return False
     t = c.nbytes // _ID
-    return not (p.nbytes % _ID or c.nbytes % _ID) and b.nbytes == t * _LP and v.nbytes == t * _ID
+    return not (p.nbytes % _ID or c.nbytes % _ID) and b.nbytes == t * _LP and v.nbytes == t * _ID \
+        and (m is None or m.nbytes == t)
 
 
 def _same_length(obj: Struct, names: tuple[str, ...], t: int) -> None:
@@ -141,6 +143,12 @@ class Rollout(Struct):
     label: Text | None = None
     finish_reason: Text = ""  # "stop" | "length" | ...
     worker_id: Text = ""
+    # A multi-turn episode: the completion is every turn after the prompt, the policy's and the
+    # environment's (tool results, feedback), as token ids in order. 1 marks a token the policy
+    # sampled (trained on, with its behaviour log-prob and version), 0 one the environment added
+    # (context only: behaviour log-prob 0, the version of the policy turn before it, so staleness
+    # is the policy's). The policy's turns are the runs of 1s. None: every token is the policy's.
+    action_mask: Mask | None = None  # (T,) uint8
 
     def __post_init__(self) -> None:
         if _decoded_and_whole(self):  # (the hot path: a frame just decoded, well formed)
@@ -148,9 +156,11 @@ class Rollout(Struct):
             self.completion_ids = _frombuffer(self.completion_ids, ID_DTYPE)
             self.behav_logprobs = _frombuffer(self.behav_logprobs, LOGPROB_DTYPE)
             self.versions = _frombuffer(self.versions, ID_DTYPE)
+            if self.action_mask is not None:
+                self.action_mask = _frombuffer(self.action_mask, MASK_DTYPE)
             return
         _as_arrays(self)
-        _same_length(self, ("behav_logprobs", "versions"), len(self.completion_ids))
+        _same_length(self, ("behav_logprobs", "versions", "action_mask"), len(self.completion_ids))
 
     def version_range(self) -> tuple[int, int] | None:
         """(oldest, newest) policy version among the tokens; None for an empty completion."""

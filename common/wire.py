@@ -20,6 +20,7 @@ import numpy as np
 
 ID_DTYPE = np.dtype("<i4")  # token ids and policy versions
 LOGPROB_DTYPE = np.dtype("<f4")  # log-probs
+MASK_DTYPE = np.dtype("u1")  # 0/1 per token (which tokens the policy sampled)
 GROUP_DTYPE = np.dtype("<i8")  # prompt group ids
 
 

@@ -7,6 +7,11 @@ per-token reward (B, T) built by `token_rewards` and a completion mask (B, T).
 
 Batch statistics (REINFORCE++'s and PPO's whitening) can span several learner ranks: pass
 `sum_fn`, which sums a tensor over the ranks (an all-reduce); None means this batch only.
+
+Multi-turn episodes interleave the policy's tokens with an environment's: the mask is then the
+policy's tokens only (`TrainBatch.action_mask`), and the token-level estimators run on each row's
+policy tokens moved together (`on_actions`), as if the environment's tokens were not there:
+the return of a turn's last token bootstraps from the next turn's first, not from a zero.
 """
 
 from __future__ import annotations
@@ -125,6 +130,21 @@ def reinforce_pp_advantages(
     """
     returns = discounted_returns(token_rewards, mask, gamma)
     return whiten(returns, mask, eps, sum_fn), returns
+
+
+def on_actions(fn: Callable[..., tuple[torch.Tensor, torch.Tensor]], mask: torch.Tensor,
+               *per_token: torch.Tensor, **kw) -> tuple[torch.Tensor, torch.Tensor]:
+    """`fn(*per_token, mask, **kw)` (a token-level estimator: two (B, T) results) run on each row's
+    masked tokens moved to its front, in order, and put back in place (0 elsewhere). Where each
+    row's masked tokens are already contiguous (single-turn), the result is `fn`'s own."""
+    order = torch.argsort((~mask.bool()).to(torch.int8), dim=1, stable=True)  # (B, T) masked first
+    packed = [x.gather(1, order) for x in per_token]
+    out = fn(*packed, mask.gather(1, order), **kw)
+    back = []
+    for y in out:
+        full = torch.zeros_like(y)
+        back.append(full.scatter_(1, order, y) * mask.to(y.dtype))
+    return back[0], back[1]
 
 
 def gae_advantages(

@@ -27,6 +27,7 @@ class TrainBatch:
     input_ids: torch.Tensor  # (B, L) long, prompt + completion, right-padded
     attention_mask: torch.Tensor  # (B, L) long
     completion_mask: torch.Tensor  # (B, T) bool, T = L - 1
+    action_mask: torch.Tensor  # (B, T) bool, the completion tokens the policy sampled (not an environment's)
     behav_logprobs: torch.Tensor  # (B, T) float32, log mu (0 off the completion)
     versions: torch.Tensor  # (B, T) long, policy version of each completion token (-1 elsewhere)
     rewards: torch.Tensor  # (B,) float32
@@ -104,6 +105,9 @@ def to_train_batch(scored: list[ScoredRollout], pad_id: int = 0) -> TrainBatch:
         input_ids=input_ids,
         attention_mask=attention_mask,
         completion_mask=completion_mask,
+        action_mask=completion_mask if all(s.rollout.action_mask is None for s in scored) else _scatter(
+            [np.ones(len(s.rollout.completion_ids)) if s.rollout.action_mask is None else s.rollout.action_mask
+             for s in scored], completion_mask, 0, torch.float32) > 0,
         behav_logprobs=_scatter([s.rollout.behav_logprobs for s in scored], completion_mask, 0.0, torch.float32),
         versions=_scatter([s.rollout.versions for s in scored], completion_mask, -1, torch.long),
         rewards=torch.tensor([float(s.reward) for s in scored], dtype=torch.float32),

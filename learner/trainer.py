@@ -44,7 +44,7 @@ import torch.distributed as dist
 
 from buffer.client import BufferClient
 from common.ready import mark_ready
-from learner.advantages import (broadcast, gae_advantages, grpo_advantages, reinforce_pp_advantages,
+from learner.advantages import (broadcast, gae_advantages, grpo_advantages, on_actions, reinforce_pp_advantages,
                                 rloo_advantages, token_rewards, whiten)
 from learner.batching import (TrainBatch, buffer_stats, mini_batches, score_stats, split_evenly,
                               staleness_stats, to_train_batch)
@@ -229,7 +229,7 @@ def prepare_step(cfg: LearnerConfig, policy, critic, tb: TrainBatch, step: int, 
     if cfg.kl_coef > 0 and tb.ref_logprobs is None and not lora:
         raise ValueError(f"learner.kl_coef={cfg.kl_coef} needs ref_logprobs, but step {step}'s rollouts "
                          f"carry none: run a reference scorer or set kl_coef=0")
-    mask = tb.completion_mask
+    mask = tb.action_mask  # the completion tokens the policy sampled (a multi-turn episode's are not all)
 
     # 2. pi_old: the weights at the start of the step, no grad (and the critic's values)
     chunks = split_evenly(torch.arange(tb.size), n_chunks)
@@ -271,6 +271,7 @@ def prepare_step(cfg: LearnerConfig, policy, critic, tb: TrainBatch, step: int, 
         "perf/tokens": float(tb.attention_mask.sum()),
         "perf/samples": float(tb.size),
         "perf/completion_len": float(mask.sum(-1).float().mean()),
+        "perf/env_token_frac": 1.0 - float(mask.sum()) / max(tb.num_completion_tokens, 1),  # multi-turn
         "overlong/truncated_frac": truncated_frac,
         "overlong/filtered_frac": truncated_frac if cfg.overlong_filter else 0.0,
         **{f"policy/{k}": v for k, v in behav.items()},
@@ -320,14 +321,14 @@ def compute_advantages(cfg: LearnerConfig, tb: TrainBatch, kl_ref: torch.Tensor 
     With kl_in="reward", the KL to the reference (under pi_old) is folded in: per token for the
     token-level estimators, summed over the completion for the sequence-level ones.
     """
-    mask = tb.completion_mask
+    mask = tb.action_mask
     fold = kl_ref is not None and cfg.kl_coef > 0 and cfg.kl_in == "reward"
     est = cfg.advantage_estimator
     if est in ("gae", "reinforce_pp"):
         rewards = token_rewards(tb.rewards, mask, kl_ref if fold else None, cfg.kl_coef)  # (B, T)
         if est == "reinforce_pp":
-            return reinforce_pp_advantages(rewards, mask, cfg.gamma, cfg.adv_eps, sum_fn)
-        adv, returns = gae_advantages(rewards, tb.old_values, mask, cfg.gamma, cfg.gae_lambda)
+            return on_actions(reinforce_pp_advantages, mask, rewards, gamma=cfg.gamma, eps=cfg.adv_eps, sum_fn=sum_fn)
+        adv, returns = on_actions(gae_advantages, mask, rewards, tb.old_values, gamma=cfg.gamma, lam=cfg.gae_lambda)
         return whiten(adv, mask, cfg.adv_eps, sum_fn), returns
     rewards = tb.rewards - cfg.kl_coef * kl_ref.sum(-1) if fold else tb.rewards  # (B,)
     if est == "grpo":

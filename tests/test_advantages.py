@@ -125,3 +125,25 @@ def test_whiten_across_ranks_equals_whole_batch():
     top = whiten(x[:2], mask[:2], sum_fn=lambda s: s + stats(x[2:], mask[2:]))
     bottom = whiten(x[2:], mask[2:], sum_fn=lambda s: s + stats(x[:2], mask[:2]))
     assert torch.allclose(torch.cat([top, bottom]), whole)
+
+
+def test_token_level_estimators_run_on_the_policys_tokens_of_an_episode():
+    """A two-turn episode (policy tokens, 2 environment tokens, policy tokens): GAE and REINFORCE++
+    give the policy's tokens what they give the same tokens with the environment's cut out, and 0
+    on the environment's (a return bootstraps across the gap instead of stopping at it)."""
+    from learner.advantages import on_actions
+
+    mask = torch.tensor([[True, True, False, False, True, True], [True, True, True, False, False, False]])
+    r = torch.tensor([[0.0, 0.1, 9.0, 9.0, 0.2, 1.0], [0.3, 0.0, 0.5, 0.0, 0.0, 0.0]])
+    v = torch.tensor([[0.5, 0.4, 7.0, 7.0, 0.3, 0.2], [0.1, 0.2, 0.3, 0.0, 0.0, 0.0]])
+    cut = torch.tensor([[0.0, 0.1, 0.2, 1.0], [0.3, 0.0, 0.5, 0.0]])  # the policy's tokens only
+    cut_v = torch.tensor([[0.5, 0.4, 0.3, 0.2], [0.1, 0.2, 0.3, 0.0]])
+    cut_mask = torch.tensor([[True] * 4, [True, True, True, False]])
+    adv, ret = on_actions(gae_advantages, mask, r, v, gamma=0.9, lam=0.8)
+    want_adv, want_ret = gae_advantages(cut, cut_v, cut_mask, gamma=0.9, lam=0.8)
+    assert torch.allclose(adv[mask], want_adv[cut_mask]) and torch.allclose(ret[mask], want_ret[cut_mask])
+    assert (adv[~mask] == 0).all() and (ret[~mask] == 0).all()
+    adv, ret = on_actions(reinforce_pp_advantages, mask, r, gamma=0.9)
+    assert torch.allclose(ret[mask], discounted_returns(cut, cut_mask, 0.9)[cut_mask])
+    # single-turn (the mask contiguous): exactly the estimator's own result
+    assert torch.equal(on_actions(gae_advantages, cut_mask, cut, cut_v)[0], gae_advantages(cut, cut_v, cut_mask)[0])

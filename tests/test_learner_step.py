@@ -309,6 +309,46 @@ def test_overlong_filter_gives_truncated_responses_zero_gradient(tiny_model_dir)
     assert all(float(g.abs().max()) == 0.0 for g in step_grads(only_truncated, True)[0])
 
 
+def test_environment_tokens_get_exactly_zero_gradient(tiny_model_dir):
+    """Two-turn episodes: the policy's tokens, then 2 an environment added (action_mask 0), then the
+    policy's again. The loss's gradient with respect to the logits that predict each environment
+    token is exactly zero, and nonzero at the policy's; the step's statistics count the policy's
+    tokens only."""
+    from learner.modeling import load_causal_lm
+
+    model = load_causal_lm(str(tiny_model_dir))
+    group = make_group(0, 4, [1.0, 0.0, 0.5, 0.2], completion_len=(6, 9), with_ref=True)
+    for s in group:
+        m = np.ones(len(s.rollout.completion_ids), dtype=np.uint8)
+        m[2:4] = 0
+        s.rollout.action_mask = m
+    tb = to_train_batch(group)
+    env = tb.completion_mask & ~tb.action_mask  # (B, T)
+    assert int(env.sum()) == 8 and torch.equal(tb.action_mask, tb.completion_mask & ~env)
+    captured = []
+
+    def keep(module, inputs, output):
+        if output.requires_grad:  # (not the no-grad forward of pi_old)
+            output.retain_grad()
+            captured.append(output)
+
+    hook = model.lm_head.register_forward_hook(keep)
+    try:
+        for estimator in ("grpo", "rloo", "reinforce_pp"):
+            captured.clear()
+            cfg = LearnerConfig(model_path="m", advantage_estimator=estimator, kl_coef=0.1, kl_in="loss",
+                                entropy_coef=0.01)
+            b, metrics, _, _, _ = step_loss_and_grads(model, cfg, tb)
+            logits = captured[-1]  # (B, L, V) of the loss's forward
+            grad = logits.grad.abs().sum(-1)[:, : env.shape[1]]  # (B, T): the logits at t predict token t + 1
+            assert float(grad[env].max()) == 0.0, estimator
+            assert float(grad[tb.action_mask].min()) > 0.0, estimator
+            assert not (b.loss_mask & env).any()
+            assert metrics["perf/env_token_frac"] == pytest.approx(8 / int(tb.completion_mask.sum()))
+    finally:
+        hook.remove()
+
+
 def test_a_packed_step_trains_policy_and_critic(tiny_model_dir, tmp_path):
     """learner.packing with PPO (the policy and the critic forward on packed rows) and overlong
     filtering: one step gives finite losses, moves the weights and logs the overlong metrics."""

@@ -30,6 +30,7 @@ from buffer.protocol import (
     ScoredRollout,
     SetVersion,
     Wait,
+    check_scored,
     decode,
     decode_envelope,
     decode_item,
@@ -267,3 +268,18 @@ def test_decode_envelope_leaves_items_undecoded():
     with pytest.raises(ProtocolError) as err:
         decode(frames)
     assert err.value.field == "scored[1]"
+
+
+def test_a_multi_turn_rollout_carries_its_action_mask():
+    """The policy's tokens (1) and an environment's (0) of one episode; absent means all the policy's."""
+    r = rollout(t=5)
+    r.action_mask = np.array([1, 1, 0, 0, 1], dtype=np.uint8)
+    for b in (roundtrip(ScoredMsg([ScoredRollout(r, reward=1.0)])).scored[0].rollout,
+              check_scored(encode_item(ScoredRollout(r, reward=1.0))).rollout):
+        assert bytes(b.action_mask) == bytes([1, 1, 0, 0, 1])
+    assert roundtrip(ScoredMsg([scored()])).scored[0].rollout.action_mask is None
+    item = msgpack.unpackb(encode_item(ScoredRollout(r, reward=1.0)))
+    item["rollout"]["action_mask"] = bytes([1, 0, 1])  # not one entry per completion token
+    for check in (lambda f: decode_item(f, "scored"), check_scored):
+        with pytest.raises(ProtocolError, match="action_mask: length 3 != completion length 5"):
+            check(msgpack.packb(item))
