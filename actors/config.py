@@ -5,7 +5,7 @@ Light on purpose (no torch, no vllm): `python -m launch.generator --help` answer
 
 from __future__ import annotations
 
-from typing import ClassVar, Literal
+from typing import Any, ClassVar, Literal
 
 from pydantic import Field, field_validator
 
@@ -13,7 +13,7 @@ from buffer.config import BufferAddress
 from weight_sync.config import WeightSyncAddress
 
 ENGINES = ("vllm", "transformers")
-SCORER_KINDS = ("reward_fn", "reward_model", "remote", "reference")
+SCORER_KINDS = ("reward_fn", "reward_model", "remote", "reference", "env")
 Dtype = Literal["float32", "bfloat16", "float16"]
 
 
@@ -75,6 +75,18 @@ class GeneratorConfig(WeightSyncAddress, BufferAddress):
     use_chat_template: bool = True
     """Wrap each prompt as one user message in the tokenizer's chat template, when it has one."""
 
+    env: str = ""
+    """Multi-turn episodes: the environment each sample plays against (actors/env.py `load_env`: a
+    registered name such as `guess`, `file.py:Class`, `module:Class`, or an OpenRLHF agent file);
+    empty: one completion per sample. Each policy turn is at most max_new_tokens long."""
+    env_args: dict[str, Any] = Field(default_factory=dict)
+    """Keyword arguments of the environment's class."""
+    max_turns: int = Field(4, ge=1)
+    """Policy turns per episode at most; an episode cut there ends with finish_reason `length`."""
+    max_context_tokens: int = Field(0, ge=0)
+    """Prompt plus every turn of an episode at most; 0: prompt_max_len + max_turns x max_new_tokens."""
+    env_timeout_s: float = Field(30.0, gt=0)
+    """One environment call (reset or step) may take this long; past it the episode fails, counted."""
     groups_per_lease: int = Field(4, ge=1)
     """Prompt groups asked for in one lease; all their samples are generated as one engine batch."""
     worker_id: str = ""
@@ -126,7 +138,9 @@ class ScorerConfig(BufferAddress):
     section: ClassVar[str] = "scorer"
 
     kinds: list[str] = Field(default_factory=lambda: ["reward_fn"])
-    """What this process computes, any of `reward_fn`, `reward_model`, `remote`, `reference`."""
+    """What this process computes, any of `reward_fn`, `reward_model`, `remote`, `reference`, `env`
+    (a multi-turn episode's environment reward, `Rollout.env_reward`; added by the run config when
+    the generators play an environment)."""
 
     reward_fn: str = ""
     """Path of a Python file that defines `reward_fn(prompts, completions, labels) -> list[float]`."""

@@ -29,12 +29,14 @@ import socket
 import threading
 import time
 from concurrent.futures import wait
-from dataclasses import dataclass, replace
+from collections import Counter
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
 from actors.config import GeneratorConfig
 from actors.engines import Completion, Engine, Sampling, build_engine
+from actors.episodes import rollout_of, run_episodes
 from buffer.client import BufferClient, BufferError
 from buffer.protocol import ID_DTYPE, LOGPROB_DTYPE, LeaseGrant, Rollout, Wait
 from common.ready import mark_ready
@@ -246,6 +248,7 @@ class Counters:
     truncated: int = 0
     refused: int = 0
     generate_s: float = 0.0
+    env: Counter = field(default_factory=Counter)  # multi-turn episodes: failures by kind, truncations
 
 
 def install_signal_handlers(stop: threading.Event) -> None:
@@ -263,8 +266,9 @@ def install_signal_handlers(stop: threading.Event) -> None:
 
 def make_rollouts(grant: LeaseGrant, cfg: GeneratorConfig, engine: Engine, sampling: Sampling,
                   client: BufferClient, worker_id: str, counts: Counters,
-                  sync: WeightSyncHook | None = None) -> list[Rollout]:
-    """Steps 3-4 for one lease: the rollouts of its groups (refused groups are reported, not sampled)."""
+                  sync: WeightSyncHook | None = None, factory=None) -> list[Rollout]:
+    """Steps 3-4 for one lease: the rollouts of its groups (refused groups are reported, not sampled);
+    with an environment `factory`, one multi-turn episode per sample (actors/episodes.py)."""
     groups, prompt_ids = [], []
     for g in grant.groups:
         ids = encode_prompt(engine.tokenizer, g.prompt, cfg.use_chat_template, g.messages)
@@ -279,12 +283,15 @@ def make_rollouts(grant: LeaseGrant, cfg: GeneratorConfig, engine: Engine, sampl
         prompt_ids.append(fitted)
     if not groups:
         return []
+    if grant.temperature is not None:  # an evaluation lease: sampled as the evaluation says
+        sampling = replace(sampling, temperature=grant.temperature)
+    if factory is not None:
+        return episode_rollouts(grant, groups, prompt_ids, cfg, engine, sampling, client, worker_id, counts,
+                                factory, sync)
     # The version of every token, unless the weights change mid-batch (then the engine says per token).
     version = engine.version
     t0 = time.monotonic()
     try:
-        if grant.temperature is not None:  # an evaluation lease: sampled as the evaluation says
-            sampling = replace(sampling, temperature=grant.temperature)
         completions = generate_batch(engine, prompt_ids, grant.n_samples, sampling, sync)
     except ValueError as e:
         # The engine refused the inputs (e.g. a prompt past vLLM's max_model_len): retrying will not
@@ -311,6 +318,38 @@ def make_rollouts(grant: LeaseGrant, cfg: GeneratorConfig, engine: Engine, sampl
             ))
             counts.tokens += t
         counts.samples += len(comps)
+        counts.groups += 1
+    return rollouts
+
+
+def episode_rollouts(grant: LeaseGrant, groups, prompt_ids, cfg: GeneratorConfig, engine: Engine,
+                     sampling: Sampling, client: BufferClient, worker_id: str, counts: Counters, factory,
+                     sync: WeightSyncHook | None) -> list[Rollout]:
+    """The lease's multi-turn episodes as rollouts; a group with a failed episode is given up."""
+    t0 = time.monotonic()
+    try:
+        played = run_episodes(groups, prompt_ids, grant.n_samples, engine, sampling, cfg, factory,
+                              lambda contexts, turn: [c[0] for c in generate_batch(engine, contexts, 1, turn, sync)],
+                              counts.env)
+    except ValueError as e:  # the engine refused a context (e.g. past vLLM's max_model_len)
+        log.error("lease %d: engine refused an episode's context: %s", grant.lease_id, e)
+        for g in groups:
+            counts.refused += 1
+            client.group_failed(grant.lease_id, g.group_id, f"engine refused the context: {e}"[:2000])
+        return []
+    counts.generate_s += time.monotonic() - t0
+    rollouts = []
+    for g in groups:
+        episodes = played[g.group_id]
+        failed = next((e.failure for e in episodes if e.failure is not None), None)
+        if failed is not None:
+            log.warning("group %d given up: an episode's environment failed (%s: %s)", g.group_id, failed.kind,
+                        failed.message[:300])
+            client.group_failed(grant.lease_id, g.group_id, f"environment {failed.kind}: {failed.message}"[:2000])
+            continue
+        rollouts += [rollout_of(e, grant.lease_id, worker_id) for e in episodes]
+        counts.tokens += sum(len(e.ids) for e in episodes)
+        counts.samples += len(episodes)
         counts.groups += 1
     return rollouts
 
@@ -345,6 +384,11 @@ def run_generator(cfg: GeneratorConfig, stop: threading.Event | None = None) -> 
         if threading.current_thread() is threading.main_thread():
             install_signal_handlers(stop)
     t_start = time.monotonic()
+    factory = None
+    if cfg.env:  # (before the engine: a bad environment is said at once)
+        from actors.env import load_env
+
+        factory = load_env(cfg.env, cfg.env_args, "generator.env")
     engine = build_engine(cfg)
     log.info("%s: %s engine on %s ready in %.1fs", worker_id, cfg.engine, cfg.model, time.monotonic() - t_start)
     t_start = time.monotonic()
@@ -386,7 +430,7 @@ def run_generator(cfg: GeneratorConfig, stop: threading.Event | None = None) -> 
             log.info("lease %d: %d groups x %d samples (v%d)", reply.lease_id, len(reply.groups),
                      reply.n_samples, engine.version)
             keeper.hold(reply)
-            rollouts = make_rollouts(reply, cfg, engine, sampling, client, worker_id, counts, sync)
+            rollouts = make_rollouts(reply, cfg, engine, sampling, client, worker_id, counts, sync, factory)
             if rollouts:
                 client.push_rollouts(rollouts)
             keeper.pushed(reply.lease_id)

@@ -91,6 +91,20 @@ class OverlongPenalty:
                 for r in rollouts]
 
 
+class EnvReward:
+    """The reward an episode's environment gave (`Rollout.env_reward`, the sum of its steps'): a
+    component like the others, weight 1. A rollout that played no environment fails it."""
+
+    name = "env"
+
+    def score(self, rollouts) -> list[Score]:
+        raw = [r.env_reward for r in rollouts]
+        if any(x is None for x in raw):
+            return [Score(None, "scorer.kinds has `env` but the rollout played no environment "
+                                "(generator.env is empty)")] * len(rollouts)
+        return check_rewards(raw, len(rollouts), "the environment")
+
+
 class RewardFn:
     """`reward_fn(prompts, completions, labels) -> list[float]` from a Python file, called batched in a
     worker process (see the module docstring). `timeouts` and `crashes` count the calls lost to a

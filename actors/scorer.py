@@ -25,7 +25,7 @@ from typing import Sequence
 import numpy as np
 
 from actors.config import ScorerConfig
-from actors.rewards import OverlongPenalty, RemoteReward, RewardFn, RewardModel, Score
+from actors.rewards import EnvReward, OverlongPenalty, RemoteReward, RewardFn, RewardModel, Score
 from buffer.client import BufferClient
 from buffer.protocol import LOGPROB_DTYPE, ProtocolError, Rollout, ScoredRollout
 from common.ready import mark_ready
@@ -94,6 +94,8 @@ class Scorer:
                                                 cfg.remote_backoff_s), cfg.remote_weight))
             elif kind == "reference":
                 self.reference = Reference(cfg.reference, cfg.dtype, cfg.device, cfg.batch_size)
+            elif kind == "env":
+                self.parts.append((EnvReward(), 1.0))
             else:
                 raise ValueError(f"scorer.kinds: unknown kind {kind!r}")
         if cfg.overlong_buffer_len > 0:  # DAPO's soft overlong punishment: one more component, weight 1

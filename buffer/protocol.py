@@ -149,6 +149,7 @@ class Rollout(Struct):
     # (context only: behaviour log-prob 0, the version of the policy turn before it, so staleness
     # is the policy's). The policy's turns are the runs of 1s. None: every token is the policy's.
     action_mask: Mask | None = None  # (T,) uint8
+    env_reward: float | None = None  # an episode's environment reward (the sum of its steps'), for a scorer
 
     def __post_init__(self) -> None:
         if _decoded_and_whole(self):  # (the hot path: a frame just decoded, well formed)

@@ -20,9 +20,14 @@ def main(argv: list[str] | None = None) -> None:
     cfg, _, _ = role_main_config(GeneratorConfig, "generator", argv, __doc__)
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
                         format="%(asctime)s generator %(levelname)s %(message)s")
+    from actors.env import EnvLoadError
     from actors.generator import run_generator
 
-    sys.exit(run_generator(cfg))
+    try:
+        sys.exit(run_generator(cfg))
+    except EnvLoadError as e:
+        print(f"launch.generator: {e}", file=sys.stderr)
+        sys.exit(2)
 
 
 if __name__ == "__main__":  # vLLM spawns its engine process: this guard is required

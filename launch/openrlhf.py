@@ -266,7 +266,8 @@ TABLE: dict[str, Spec] = {
     "ds.value_head_prefix": note("the value head is saved under Conveyor's own name"),
     "ref.offload": note(SPEED),
     "reward.offload": note(SPEED),
-    "train.agent_func_path": refuse("OpenRLHF agent scripts are not run here", None),
+    "train.agent_func_path": to("generator.env", why="the agent file (AgentExecutor / AgentInstance) runs unchanged: "
+                                                       "every sample is a multi-turn episode against it"),
     # data and evaluation
     "data.prompt_dataset": to("buffer.prompts"),
     "data.prompt_probs": to("buffer.prompt_probs"),

@@ -196,6 +196,11 @@ def finish(run: Run, explicit: dict | None = None) -> None:
         l.temperature = g.temperature if g.temperature > 0 else 1.0
     if l.kl_coef > 0 and not s.reference and not l.lora_rank:  # (LoRA: the learner's base is the reference)
         s.reference = l.model_path
+    if g.env:  # the environment's reward is the episode's; a reward function adds to it where one is named
+        if not is_set(explicit, "scorer.kinds"):
+            s.kinds = [k for k in s.kinds if k != "reward_fn" or s.reward_fn]
+        if "env" not in s.kinds:
+            s.kinds = [*s.kinds, "env"]
     if s.reference and "reference" not in s.kinds:
         s.kinds = [*s.kinds, "reference"]
     if s.reward_model and "reward_model" not in s.kinds:

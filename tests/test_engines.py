@@ -235,3 +235,91 @@ def test_vllm_engine_loads_a_round_and_stamps_its_version(vllm_engine, hf, tmp_p
     vllm_engine.receive_weights(_disk_round(tmp_path / "v4", original, 4, round_id=2))
     assert vllm_engine.version == 4
     assert [g[0].token_ids for g in vllm_engine.generate(ids, 1, s)] == before
+
+
+# ---- multi-turn episodes (actors/episodes.py) on the running vLLM engine ------------------------
+
+
+class _Counter:
+    """A scripted environment: answers `ok <turn>` twice, then says done; reward 0.5 per step.
+    `raise_on`: the sample index whose environment raises at its second step."""
+
+    made = 0
+
+    def __init__(self, raise_on: int = -1):
+        self.index, type(self).made = type(self).made, type(self).made + 1
+        self.raise_on, self.turn = raise_on, 0
+
+    async def reset(self, row):
+        return None
+
+    async def step(self, action):
+        self.turn += 1
+        if self.index == self.raise_on and self.turn == 2:
+            raise RuntimeError("the environment broke")
+        return (f" ok {self.turn}.", 0.5, self.turn == 3, {})
+
+
+def _play(vllm_engine, tiny_model_dir, n: int, raise_on: int = -1, max_turns: int = 3):
+    from collections import Counter
+
+    from actors.config import GeneratorConfig
+    from actors.episodes import run_episodes
+    from buffer.protocol import PromptGroup
+
+    _Counter.made = 0
+    cfg = GeneratorConfig(model=str(tiny_model_dir), max_turns=max_turns, max_new_tokens=4, use_chat_template=False,
+                          env_timeout_s=10.0)
+    turns = []  # every batch the engine sampled, as it returned it
+
+    def generate(contexts, turn):
+        out = [c[0] for c in vllm_engine.generate(contexts, 1, turn)]
+        turns.append((contexts, out))
+        return out
+
+    prompt = vllm_engine.tokenizer.encode("12+34=")
+    counts = Counter()
+    played = run_episodes([PromptGroup(7, "12+34=", "46")], [prompt], n, vllm_engine,
+                          Sampling(temperature=1.0, max_tokens=4, seed=3), cfg, lambda: _Counter(raise_on), generate,
+                          counts)
+    return played[7], turns, prompt, counts
+
+
+def test_a_multi_turn_episode_is_the_policys_ids_and_the_environments_ids_as_they_were(vllm_engine, hf, tiny_model_dir):
+    """Three turns against a scripted environment: the rollout's completion is, id for id, what the
+    engine sampled each turn with the environment's encoded answers between them (never the text
+    re-tokenised); the mask marks the engine's; its behaviour log-probs are the learner's log-probs
+    of the policy's tokens in that context; the reward is the environment's."""
+    from actors.env import encode_observation
+    from actors.episodes import rollout_of
+
+    episodes, turns, prompt, counts = _play(vllm_engine, tiny_model_dir, n=2)
+    tok = vllm_engine.tokenizer
+    assert len(turns) == 3 and counts["episodes_failed"] == 0
+    for j, e in enumerate(episodes):
+        want, mask = [], []
+        for t, (contexts, out) in enumerate(turns):
+            assert contexts[j] == prompt + want  # each turn sampled from exactly the ids so far
+            want += out[j].token_ids
+            mask += [1] * len(out[j].token_ids)
+            if t < 2:
+                obs = encode_observation(tok, f" ok {t + 1}.", "user", use_chat_template=False)
+                want += obs
+                mask += [0] * len(obs)
+        r = rollout_of(e, lease_id=1, worker_id="w")
+        assert r.completion_ids.tolist() == want and r.action_mask.tolist() == mask
+        assert r.env_reward == 1.5 and r.finish_reason == "stop" and r.prompt_ids.tolist() == prompt
+        assert (r.behav_logprobs[r.action_mask == 0] == 0).all()
+        learner = completion_logprobs(hf.model, [prompt], [want])[0]  # the learner's log-probs, fp32
+        gap = (learner - torch.tensor(r.behav_logprobs))[torch.tensor(mask, dtype=torch.bool)].abs().max().item()
+        assert gap < TOL, gap
+
+
+def test_a_broken_environment_fails_its_episode_only_and_turns_are_bounded(vllm_engine, tiny_model_dir):
+    episodes, _, _, counts = _play(vllm_engine, tiny_model_dir, n=3, raise_on=1)
+    assert [e.failure is not None for e in episodes] == [False, True, False]
+    assert episodes[1].failure.kind == "raised" and "the environment broke" in episodes[1].failure.message
+    assert counts["episodes_failed"] == 1 and [e.finish for e in episodes] == ["stop", "", "stop"]
+    episodes, turns, _, counts = _play(vllm_engine, tiny_model_dir, n=2, max_turns=2)
+    assert len(turns) == 2 and [e.finish for e in episodes] == ["length"] * 2 and counts["episodes_truncated"] == 2
+

@@ -78,10 +78,11 @@ SAMPLE = {  # a value OpenRLHF users give where the default is None (or no value
     "--logger.wandb.key": ["k"], "--logger.wandb.org": ["o"], "--logger.wandb.group": ["g"],
     "--logger.tensorboard_dir": ["tb"], "--actor.entropy_coef": ["0.01"], "--rollout.max_tokens_per_gpu": ["4096"],
     "--rollout.vllm_generate_batch_size": ["8"], "--data.max_samples": ["100"], "--train.enable_ema": ["false"],
+    "--train.agent_func_path": ["agent_func.py"],
 }
 OFF_DEFAULT = {  # a value that changes what is trained, for the refused flags
     "--algo.kl.target": ["0.1"], "--reward.clip_range": ["-1", "1"], "--reward.stop_properly_penalty_coef": ["0.5"],
-    "--ds.ring_attn_size": ["2"], "--train.agent_func_path": ["agent.py"], "--data.max_images_per_prompt": ["1"],
+    "--ds.ring_attn_size": ["2"], "--data.max_images_per_prompt": ["1"],
     "--actor.aux_loss_coef": ["0.01"], "--critic.freezing_steps": ["5"],
 }
 

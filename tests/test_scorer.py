@@ -427,3 +427,15 @@ def test_scorer_config_errors_quote_the_values():
     msg = str(e.value)
     assert "unknown ['judge']" in msg and "scorer.reward_fn is empty" in msg and "'ftp://x'" in msg
     assert "scorer.reward_fn_timeout_s=0.0 must be > 0" in msg
+
+
+def test_the_env_component_is_the_episodes_environment_reward():
+    from actors.rewards import EnvReward
+
+    played = [make_rollout("p", "c", None, sample_index=i) for i in range(3)]
+    for r, x in zip(played, (1.5, 0.0, math.inf)):
+        r.env_reward = x
+    scores = EnvReward().score(played)
+    assert [s.value for s in scores] == [1.5, 0.0, None] and "non-finite" in scores[2].error
+    single = EnvReward().score([make_rollout("p", "c", None)])  # a rollout that played no environment
+    assert single[0].value is None and "played no environment" in single[0].error

@@ -1,0 +1,126 @@
+"""Multi-turn episodes in the generator: the policy writes, an environment answers, the policy
+writes again, and the whole episode becomes one rollout.
+
+A lease's episodes advance together, turn by turn: each turn is one batch through the engine (every
+live episode's context so far, one completion each), then every environment's `step` at once
+(asyncio, each bounded by `generator.env_timeout_s`), then the observations appended. The context
+is token ids from start to end: the policy's ids as the engine sampled them (with their behaviour
+log-probs and versions) and the environment's ids as `actors.env.encode_observation` encodes its
+observation, never a re-tokenisation of the text so far. The rollout's completion is every id after
+the prompt; `action_mask` says which the policy sampled (1) and which the environment added (0,
+behaviour log-prob 0, the version of the policy's turn before them).
+
+Limits: `generator.max_turns` policy turns, `generator.max_new_tokens` per turn, and
+`generator.max_context_tokens` in all (prompt and completion; 0: prompt_max_len + max_turns x
+max_new_tokens); an episode that reaches one ends with finish_reason `length` (counted as
+truncated). One that ends because its environment said done ends with `stop`. The episode's reward
+(the sum of its steps' rewards) travels as `Rollout.env_reward`; a scorer with kind `env` makes it a
+reward component.
+
+An environment that raises, outlives its timeout or returns what the API does not allow fails its
+episode (`actors.env.EnvFailure`, counted by kind); as with a prompt refused, the episode's group is
+given up (the buffer takes a group whole), never the generator.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections import Counter
+from dataclasses import dataclass, field, replace
+
+import numpy as np
+
+from actors.engines import Engine, Sampling
+from actors.env import EnvFailure, Row, encode_observation, run_reset, run_step
+from buffer.protocol import ID_DTYPE, LOGPROB_DTYPE, PromptGroup, Rollout
+from common.wire import MASK_DTYPE
+
+log = logging.getLogger("conveyor.generator")
+
+
+@dataclass
+class Episode:
+    group: PromptGroup
+    sample_index: int
+    env: object
+    prompt_ids: list[int]
+    ids: list[int] = field(default_factory=list)  # the completion so far: the policy's and the environment's
+    mask: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+    texts: list[str] = field(default_factory=list)
+    reward: float = 0.0
+    turns: int = 0
+    finish: str = ""  # "" while it runs; "stop" | "length"
+    failure: EnvFailure | None = None
+
+    def add(self, ids, mask: int, logprobs=None, versions=None, text: str = "") -> None:
+        self.ids += ids
+        self.mask += [mask] * len(ids)
+        self.logprobs += list(logprobs) if logprobs is not None else [0.0] * len(ids)
+        last = self.versions[-1] if self.versions else 0
+        self.versions += list(versions) if versions is not None else [last] * len(ids)
+        self.texts.append(text)
+
+
+def context_limit(cfg) -> int:
+    return cfg.max_context_tokens or cfg.prompt_max_len + cfg.max_turns * cfg.max_new_tokens
+
+
+def run_episodes(groups: list[PromptGroup], prompt_ids: list[list[int]], n: int, engine: Engine,
+                 sampling: Sampling, cfg, factory, generate, counts: Counter) -> dict[int, list[Episode]]:
+    """Every episode of the lease's groups (n per prompt), played to its end: {group_id: episodes}.
+    `generate(contexts, sampling)` samples one completion per context (the engine's batch)."""
+    return asyncio.run(_play(groups, prompt_ids, n, engine, sampling, cfg, factory, generate, counts))
+
+
+async def _play(groups, prompt_ids, n, engine, sampling, cfg, factory, generate, counts):
+    tok = engine.tokenizer
+    episodes = [Episode(g, j, factory(), list(ids)) for g, ids in zip(groups, prompt_ids) for j in range(n)]
+    openings = await asyncio.gather(*(run_reset(e.env, Row.of(e.group), cfg.env_timeout_s, counts) for e in episodes))
+    for e, opening in zip(episodes, openings):
+        if isinstance(opening, EnvFailure):
+            e.failure = opening
+        elif opening is not None:  # the environment's own opening replaces the prompt
+            e.prompt_ids = list(tok(opening)["input_ids"])
+    limit = context_limit(cfg)
+    role = getattr(episodes[0].env, "observation_role", "user") if episodes else "user"
+    while True:
+        live = [e for e in episodes if not e.finish and e.failure is None]
+        if not live:
+            break
+        room = [limit - len(e.prompt_ids) - len(e.ids) for e in live]
+        turn = replace(sampling, max_tokens=max(1, min(sampling.max_tokens, min(room))))
+        completions = generate([e.prompt_ids + e.ids for e in live], turn)
+        for e, c in zip(live, completions):
+            e.add(c.token_ids, 1, c.logprobs, c.versions if c.versions is not None else [engine.version] * len(c.token_ids),
+                  c.text)
+            e.turns += 1
+        results = await asyncio.gather(*(run_step(e.env, e.texts[-1], cfg.env_timeout_s, counts) for e in live))
+        for e, c, res in zip(live, completions, results):
+            if isinstance(res, EnvFailure):
+                e.failure = res  # (counted by kind in `counts` by run_step)
+                continue
+            e.reward += float(res.reward)
+            if res.done:
+                e.finish = "stop"
+                continue
+            obs = encode_observation(tok, res.observation, role, use_chat_template=cfg.use_chat_template)
+            if e.turns >= cfg.max_turns or len(e.prompt_ids) + len(e.ids) + len(obs) >= limit:
+                e.finish = "length"  # a turn limit or the context limit: truncated, as a long completion is
+                counts["episodes_truncated"] += 1
+                continue
+            e.add(list(obs), 0, text=res.observation)
+    counts["episodes_failed"] += sum(e.failure is not None for e in episodes)
+    return {g.group_id: [e for e in episodes if e.group.group_id == g.group_id] for g in groups}
+
+
+def rollout_of(e: Episode, lease_id: int, worker_id: str) -> Rollout:
+    """The episode as one rollout: the prompt, then every turn's ids, the policy's marked in the mask."""
+    return Rollout(
+        group_id=e.group.group_id, sample_index=e.sample_index, lease_id=lease_id,
+        prompt_ids=np.asarray(e.prompt_ids, dtype=ID_DTYPE), completion_ids=np.asarray(e.ids, dtype=ID_DTYPE),
+        behav_logprobs=np.asarray(e.logprobs, dtype=LOGPROB_DTYPE), versions=np.asarray(e.versions, dtype=ID_DTYPE),
+        prompt=e.group.prompt, completion="".join(e.texts), label=e.group.label, finish_reason=e.finish,
+        worker_id=worker_id, action_mask=np.asarray(e.mask, dtype=MASK_DTYPE), env_reward=e.reward)
