@@ -1,9 +1,10 @@
 """Multi-turn episodes in the generator: the policy writes, an environment answers, the policy
 writes again, and the whole episode becomes one rollout.
 
-A lease's episodes advance together, turn by turn: each turn is one batch through the engine (every
-live episode's context so far, one completion each), then every environment's `step` at once
-(asyncio, each bounded by `generator.env_timeout_s`), then the observations appended. The context
+Every episode of a lease runs as its own coroutine: sample a turn, step the environment (bounded by
+`generator.env_timeout_s`), append the observation, again. Turns waiting to be sampled go to the
+engine together (`Batcher`: one batch at a time, in a worker thread, while the event loop steps
+the environments), so a slow environment holds back its own episode only. The context
 is token ids from start to end: the policy's ids as the engine sampled them (with their behaviour
 log-probs and versions) and the environment's ids as `actors.env.encode_observation` encodes its
 observation, never a re-tokenisation of the text so far. The rollout's completion is every id after
@@ -75,44 +76,90 @@ def run_episodes(groups: list[PromptGroup], prompt_ids: list[list[int]], n: int,
     return asyncio.run(_play(groups, prompt_ids, n, engine, sampling, cfg, factory, generate, counts))
 
 
+class Batcher:
+    """The engine's batches for episodes that each go at their own pace: a turn waiting to be
+    sampled joins the next batch (contexts of the same sampling settings go together), which runs
+    in a worker thread while the event loop keeps stepping environments. So a slow environment
+    holds back its own episode, not the others, and the engine is never asked twice at once."""
+
+    def __init__(self, generate):
+        self.generate = generate
+        self.waiting: list[tuple[list[int], Sampling, asyncio.Future]] = []
+        self.wake = asyncio.Event()
+        self.batches = 0
+
+    async def sample(self, context: list[int], sampling: Sampling):
+        fut = asyncio.get_running_loop().create_future()
+        self.waiting.append((context, sampling, fut))
+        self.wake.set()
+        return await fut
+
+    async def serve(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            await self.wake.wait()
+            self.wake.clear()
+            await asyncio.sleep(0)  # (every episode ready now joins this batch)
+            batch, self.waiting = self.waiting, []
+            by_sampling: dict[tuple, list] = {}
+            for item in batch:
+                s = item[1]
+                by_sampling.setdefault((s.max_tokens, s.temperature, s.top_p, s.top_k), []).append(item)
+            for items in by_sampling.values():
+                try:
+                    out = await loop.run_in_executor(None, self.generate, [c for c, _, _ in items], items[0][1])
+                except Exception as e:  # (the engine refused a context: every episode of the batch hears it)
+                    for _, _, fut in items:
+                        fut.set_exception(e)
+                    continue
+                self.batches += 1
+                for (_, _, fut), c in zip(items, out):
+                    fut.set_result(c)
+
+
 async def _play(groups, prompt_ids, n, engine, sampling, cfg, factory, generate, counts):
     tok = engine.tokenizer
     episodes = [Episode(g, j, factory(), list(ids)) for g, ids in zip(groups, prompt_ids) for j in range(n)]
-    openings = await asyncio.gather(*(run_reset(e.env, Row.of(e.group), cfg.env_timeout_s, counts) for e in episodes))
-    for e, opening in zip(episodes, openings):
+    limit = context_limit(cfg)
+    batcher = Batcher(generate)
+
+    async def play(e: Episode) -> None:
+        opening = await run_reset(e.env, Row.of(e.group), cfg.env_timeout_s, counts)
         if isinstance(opening, EnvFailure):
             e.failure = opening
-        elif opening is not None:  # the environment's own opening replaces the prompt
+            return
+        if opening is not None:  # the environment's own opening replaces the prompt
             e.prompt_ids = list(tok(opening)["input_ids"])
-    limit = context_limit(cfg)
-    role = getattr(episodes[0].env, "observation_role", "user") if episodes else "user"
-    while True:
-        live = [e for e in episodes if not e.finish and e.failure is None]
-        if not live:
-            break
-        room = [limit - len(e.prompt_ids) - len(e.ids) for e in live]
-        turn = replace(sampling, max_tokens=max(1, min(sampling.max_tokens, min(room))))
-        completions = generate([e.prompt_ids + e.ids for e in live], turn)
-        for e, c in zip(live, completions):
-            e.add(c.token_ids, 1, c.logprobs, c.versions if c.versions is not None else [engine.version] * len(c.token_ids),
-                  c.text)
+        role = getattr(e.env, "observation_role", "user")
+        while True:
+            room = limit - len(e.prompt_ids) - len(e.ids)
+            c = await batcher.sample(e.prompt_ids + e.ids, replace(sampling, max_tokens=max(1, min(sampling.max_tokens,
+                                                                                                   room))))
+            e.add(c.token_ids, 1, c.logprobs,
+                  c.versions if c.versions is not None else [engine.version] * len(c.token_ids), c.text)
             e.turns += 1
-        results = await asyncio.gather(*(run_step(e.env, e.texts[-1], cfg.env_timeout_s, counts) for e in live))
-        for e, c, res in zip(live, completions, results):
+            res = await run_step(e.env, c.text, cfg.env_timeout_s, counts)
             if isinstance(res, EnvFailure):
                 e.failure = res  # (counted by kind in `counts` by run_step)
-                continue
+                return
             e.reward += float(res.reward)
             if res.done:
                 e.finish = "stop"
-                continue
+                return
             obs = encode_observation(tok, res.observation, role, use_chat_template=cfg.use_chat_template)
             if e.turns >= cfg.max_turns or len(e.prompt_ids) + len(e.ids) + len(obs) >= limit:
                 e.finish = "length"  # a turn limit or the context limit: truncated, as a long completion is
                 counts["episodes_truncated"] += 1
-                continue
+                return
             e.add(list(obs), 0, text=res.observation)
+
+    server = asyncio.create_task(batcher.serve())
+    try:
+        await asyncio.gather(*(play(e) for e in episodes))
+    finally:
+        server.cancel()
     counts["episodes_failed"] += sum(e.failure is not None for e in episodes)
+    counts["engine_batches"] += batcher.batches
     return {g.group_id: [e for e in episodes if e.group.group_id == g.group_id] for g in groups}
 
 

@@ -8,6 +8,7 @@ same weights. So both backends are checked against it, token by token, in fp32.
 from __future__ import annotations
 
 import math
+import time
 
 import pytest
 import torch
@@ -242,32 +243,39 @@ def test_vllm_engine_loads_a_round_and_stamps_its_version(vllm_engine, hf, tmp_p
 
 class _Counter:
     """A scripted environment: answers `ok <turn>` twice, then says done; reward 0.5 per step.
-    `raise_on`: the sample index whose environment raises at its second step."""
+    `raise_on`: the sample index whose environment raises at its second step; `slow_on`: the one
+    whose every step takes a second (asleep, as an environment waiting on a tool does)."""
 
-    made = 0
+    made: list = []
 
-    def __init__(self, raise_on: int = -1):
-        self.index, type(self).made = type(self).made, type(self).made + 1
-        self.raise_on, self.turn = raise_on, 0
+    def __init__(self, raise_on: int = -1, slow_on: int = -1):
+        self.index = len(self.made)
+        self.made.append(self)
+        self.raise_on, self.slow_on, self.turn, self.done_at = raise_on, slow_on, 0, []
 
     async def reset(self, row):
         return None
 
     async def step(self, action):
+        import asyncio
+
         self.turn += 1
+        if self.index == self.slow_on:
+            await asyncio.sleep(1.0)
         if self.index == self.raise_on and self.turn == 2:
             raise RuntimeError("the environment broke")
+        self.done_at.append(time.monotonic())
         return (f" ok {self.turn}.", 0.5, self.turn == 3, {})
 
 
-def _play(vllm_engine, tiny_model_dir, n: int, raise_on: int = -1, max_turns: int = 3):
+def _play(vllm_engine, tiny_model_dir, n: int, raise_on: int = -1, max_turns: int = 3, slow_on: int = -1):
     from collections import Counter
 
     from actors.config import GeneratorConfig
     from actors.episodes import run_episodes
     from buffer.protocol import PromptGroup
 
-    _Counter.made = 0
+    _Counter.made.clear()
     cfg = GeneratorConfig(model=str(tiny_model_dir), max_turns=max_turns, max_new_tokens=4, use_chat_template=False,
                           env_timeout_s=10.0)
     turns = []  # every batch the engine sampled, as it returned it
@@ -280,7 +288,7 @@ def _play(vllm_engine, tiny_model_dir, n: int, raise_on: int = -1, max_turns: in
     prompt = vllm_engine.tokenizer.encode("12+34=")
     counts = Counter()
     played = run_episodes([PromptGroup(7, "12+34=", "46")], [prompt], n, vllm_engine,
-                          Sampling(temperature=1.0, max_tokens=4, seed=3), cfg, lambda: _Counter(raise_on), generate,
+                          Sampling(temperature=1.0, max_tokens=4, seed=3), cfg, lambda: _Counter(raise_on, slow_on), generate,
                           counts)
     return played[7], turns, prompt, counts
 
@@ -322,4 +330,9 @@ def test_a_broken_environment_fails_its_episode_only_and_turns_are_bounded(vllm_
     assert counts["episodes_failed"] == 1 and [e.finish for e in episodes] == ["stop", "", "stop"]
     episodes, turns, _, counts = _play(vllm_engine, tiny_model_dir, n=2, max_turns=2)
     assert len(turns) == 2 and [e.finish for e in episodes] == ["length"] * 2 and counts["episodes_truncated"] == 2
+    # a slow environment holds back its own episode only: the others play all three turns meanwhile
+    episodes, _, _, _ = _play(vllm_engine, tiny_model_dir, n=3, slow_on=0)
+    slow, *fast = _Counter.made
+    assert [e.finish for e in episodes] == ["stop"] * 3
+    assert max(t for f in fast for t in f.done_at) < slow.done_at[0], "a fast episode waited for the slow one"
 
