@@ -49,6 +49,7 @@ bench: install
 	$(PY) bench/state_log.py
 	$(PY) bench/chaos.py
 	$(PY) bench/recipes.py
+	$(PY) bench/agent.py
 	$(PY) bench/dynamic_sampling.py
 
 clean:
