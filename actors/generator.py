@@ -296,11 +296,7 @@ def make_rollouts(grant: LeaseGrant, cfg: GeneratorConfig, engine: Engine, sampl
     except ValueError as e:
         # The engine refused the inputs (e.g. a prompt past vLLM's max_model_len): retrying will not
         # help, so the groups are reported failed instead of expiring and coming back forever.
-        log.error("lease %d: engine refused the batch: %s", grant.lease_id, e)
-        for g in groups:
-            counts.refused += 1
-            client.group_failed(grant.lease_id, g.group_id, f"engine refused the prompt: {e}"[:2000])
-        return []
+        return _give_up(grant, groups, client, counts, f"engine refused the prompt: {e}")
     counts.generate_s += time.monotonic() - t0
     rollouts = []
     for g, ids, comps in zip(groups, prompt_ids, completions):
@@ -322,6 +318,15 @@ def make_rollouts(grant: LeaseGrant, cfg: GeneratorConfig, engine: Engine, sampl
     return rollouts
 
 
+def _give_up(grant: LeaseGrant, groups, client: BufferClient, counts: Counters, why: str) -> list[Rollout]:
+    """Report every group of the lease failed (not issued again): nothing to push."""
+    log.error("lease %d: %s", grant.lease_id, why)
+    for g in groups:
+        counts.refused += 1
+        client.group_failed(grant.lease_id, g.group_id, why[:2000])
+    return []
+
+
 def episode_rollouts(grant: LeaseGrant, groups, prompt_ids, cfg: GeneratorConfig, engine: Engine,
                      sampling: Sampling, client: BufferClient, worker_id: str, counts: Counters, factory,
                      sync: WeightSyncHook | None) -> list[Rollout]:
@@ -332,11 +337,7 @@ def episode_rollouts(grant: LeaseGrant, groups, prompt_ids, cfg: GeneratorConfig
                               lambda contexts, turn: [c[0] for c in generate_batch(engine, contexts, 1, turn, sync)],
                               counts.env)
     except ValueError as e:  # the engine refused a context (e.g. past vLLM's max_model_len)
-        log.error("lease %d: engine refused an episode's context: %s", grant.lease_id, e)
-        for g in groups:
-            counts.refused += 1
-            client.group_failed(grant.lease_id, g.group_id, f"engine refused the context: {e}"[:2000])
-        return []
+        return _give_up(grant, groups, client, counts, f"engine refused an episode's context: {e}")
     counts.generate_s += time.monotonic() - t0
     rollouts = []
     for g in groups:
