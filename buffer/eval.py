@@ -107,10 +107,7 @@ class Evaluator:
         if version in self.reports:
             return EvalReport(version, self.reports[version])
         r = self.round
-        if r is not None and version < r.version:
-            raise RequestError("eval_request.version", f"version {version} is older than the round being "
-                                                       f"evaluated (version {r.version})")
-        if r is None or version > r.version:
+        if r is None or version != r.version:  # (an older one too: a learner resumed from a checkpoint)
             if r is not None:
                 self.counters["eval_rounds_abandoned"] += 1
                 log.warning("evaluation of version %d abandoned (%s): version %d is asked for", r.version,

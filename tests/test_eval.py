@@ -58,6 +58,11 @@ def test_an_evaluation_round_is_served_apart_from_training(tmp_path):
         assert (v["eval/pass@1"], round(v["eval/pass@k"], 6), v["eval/reward_mean"]) == (0.5, round(2 / 3, 6), 0.5)
         assert (v["eval/k"], v["eval/prompts"], v["eval/failed_prompts"]) == (2.0, 3.0, 0.0)
         assert c.request(EvalRequest(0)).values == v  # asked again: the same report
+        # a round asked for and then left (the learner moved on, or resumed from an earlier
+        # checkpoint) is replaced by the one asked for next, and counted
+        assert isinstance(c.request(EvalRequest(3)), Wait) and isinstance(c.request(EvalRequest(2)), Wait)
+        assert c.metrics()["buffer/eval_rounds_abandoned"] == 1
+        assert isinstance(c.request(EvalRequest(0)), EvalReport)  # a finished round's report is kept
         rows = [json.loads(x) for x in (tmp_path / "eval" / "version_0.jsonl").read_text().splitlines()]
         assert [(r["index"], r["sample"], r["reward"]) for r in rows] == [(0, 0, 1.0), (0, 1, 0.0), (1, 0, 0.0),
                                                                           (1, 1, 0.0), (2, 0, 1.0), (2, 1, 1.0)]
@@ -67,6 +72,6 @@ def test_an_evaluation_round_is_served_apart_from_training(tmp_path):
         answer(c, train)
         assert group_ids(c.get_batch(0, timeout_s=10)) == [0, 1]
         m = c.metrics()
-        assert m["buffer/eval_rounds"] == 1 and m["buffer/eval_samples"] == 6 and m["buffer/eval_expired_leases"] == 1
+        assert m["buffer/eval_rounds"] == 3 and m["buffer/eval_samples"] == 6 and m["buffer/eval_expired_leases"] == 1
         assert m["buffer/accepted_groups"] == 2 and m["buffer/issued_groups"] == 2  # training groups only
     assert b.stop() == 0
