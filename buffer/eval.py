@@ -32,8 +32,8 @@ from pathlib import Path
 
 from buffer.config import BufferConfig, EvalConfig
 from buffer.groups import RequestError
-from buffer.prompts import Prompt, prompts_from_config
-from buffer.protocol import ChatMessage, EvalReport, LeaseGrant, PromptGroup, ScoredRollout, Wait
+from buffer.prompts import Prompt, prompt_group, prompts_from_config
+from buffer.protocol import EvalReport, LeaseGrant, ScoredRollout, Wait
 
 EVAL_GROUP_BASE = 1 << 40  # training group ids count from 0 and never get here
 EVAL_LEASE_BASE = 1 << 40  # nor do training lease ids
@@ -157,9 +157,7 @@ class Evaluator:
         for g in todo:
             g.lease_id = lease_id
             g.samples.clear()
-        groups = [PromptGroup(g.group_id, g.prompt.text, g.prompt.label, g.prompt.index,
-                              None if g.prompt.messages is None else [ChatMessage(a, b) for a, b in g.prompt.messages])
-                  for g in todo]
+        groups = [prompt_group(g.prompt, g.group_id) for g in todo]
         return LeaseGrant(lease_id, groups, r.k, self.lease_ttl_s, r.version, temperature=self.cfg.temperature)
 
     def renew(self, lease_id: int, now: float) -> None:

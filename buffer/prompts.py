@@ -36,6 +36,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from buffer.config import BufferConfig
+from buffer.protocol import ChatMessage, PromptGroup
 from common.datasets import BadRow, DatasetError, chat_messages, iter_rows, short_repr
 
 
@@ -49,6 +50,12 @@ class Prompt:
     label: str | None
     index: int  # position in the (mixed) dataset; blank lines are no rows
     messages: list[tuple[str, str]] | None = None  # a chat prompt: (role, content) pairs
+
+
+def prompt_group(p: Prompt, group_id: int) -> PromptGroup:
+    """The leased form of prompt `p` as group `group_id` (training and evaluation leases alike)."""
+    messages = None if p.messages is None else [ChatMessage(role, content) for role, content in p.messages]
+    return PromptGroup(group_id, p.text, p.label, p.index, messages)
 
 
 def prompts_from_config(cfg: BufferConfig, dataset: str | None = None, split: str | None = None,

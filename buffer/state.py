@@ -35,8 +35,8 @@ from collections import Counter, deque
 
 from buffer.config import BufferConfig
 from buffer.groups import Lease, PendingGroup, ReadyGroup, RequestError, Sample, StepBatch  # noqa: F401 (re-exported)
-from buffer.prompts import Prompt, PromptOrder, PromptsError, load_prompts  # noqa: F401 (the last two: re-exported)
-from buffer.protocol import ChatMessage, LeaseGrant, PromptGroup, Wait
+from buffer.prompts import Prompt, PromptOrder, PromptsError, load_prompts, prompt_group  # noqa: F401 (PromptsError, load_prompts: re-exported)
+from buffer.protocol import LeaseGrant, Wait
 from buffer.rules import (
     QUIET_S,
     admission_limit,
@@ -158,9 +158,7 @@ class BufferState:
             self.store.lease(lease_id, group_ids)
         groups = []
         for gid in group_ids:
-            p = self.prompts[self.order.row(gid)]
-            groups.append(PromptGroup(gid, p.text, p.label, p.index,
-                                      None if p.messages is None else [ChatMessage(r, c) for r, c in p.messages]))
+            groups.append(prompt_group(self.prompts[self.order.row(gid)], gid))
         return LeaseGrant(lease_id, groups, self.cfg.n_samples_per_prompt, self.cfg.lease_ttl_s, self.version)
 
     def renew(self, lease_id: int, now: float) -> None:

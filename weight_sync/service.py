@@ -103,6 +103,9 @@ class SyncState:
         self.next_round_id = 1
         self.last_round: dict = {}
         self.counts = {"rounds": 0, "catch_up_rounds": 0, "errors": 0, "dropped": 0}
+        self._handlers = {Register: self.on_register, Poll: self.on_poll, Done: self.on_done,
+                          Unregister: self.on_unregister, Ready: self.on_ready, PendingRequest: self.on_pending,
+                          RoundResult: self.on_round_result, StatusRequest: lambda _: Status(self.status())}
 
     @property
     def current_version(self) -> int:
@@ -112,10 +115,7 @@ class SyncState:
 
     def handle(self, msg):
         """The reply to one request (a reply type sent as a request is refused)."""
-        handler = {Register: self.on_register, Poll: self.on_poll, Done: self.on_done,
-                   Unregister: self.on_unregister, Ready: self.on_ready, PendingRequest: self.on_pending,
-                   RoundResult: self.on_round_result, StatusRequest: lambda _: Status(self.status())
-                   }.get(type(msg))
+        handler = self._handlers.get(type(msg))
         if handler is None:
             return Error(f"{type(msg).__name__} is a reply, not a request", "envelope.type")
         return handler(msg)
