@@ -78,7 +78,7 @@ class GeneratorConfig(WeightSyncAddress, BufferAddress):
     env: str = ""
     """Multi-turn episodes: the environment each sample plays against (actors/env.py `load_env`: a
     registered name such as `guess`, `file.py:Class`, `module:Class`, or an OpenRLHF agent file);
-    empty: one completion per sample. Each policy turn is at most max_new_tokens long."""
+    empty: one completion per sample. Each policy turn is at most max_new_tokens long. Not with `agent`."""
     env_args: dict[str, Any] = Field(default_factory=dict)
     """Keyword arguments of the environment's class."""
     max_turns: int = Field(4, ge=1)
@@ -87,6 +87,21 @@ class GeneratorConfig(WeightSyncAddress, BufferAddress):
     """Prompt plus every turn of an episode at most; 0: prompt_max_len + max_turns x max_new_tokens."""
     env_timeout_s: float = Field(30.0, gt=0)
     """One environment call (reset or step) may take this long; past it the episode fails, counted."""
+    agent: str = ""
+    """Agent code that plays each sample through the generator's OpenAI-compatible endpoint
+    (actors/openai_server.py): `path/file.py:function` or `package.module:function`, a function
+    `async def agent(base_url, row, **agent_args) -> float | None` written against the `openai`
+    client; each sample is a session whose token ids become one rollout when its reward is in.
+    Empty: off. Not with `env`. The session's turns are sampled with this section's settings."""
+    agent_args: dict[str, Any] = Field(default_factory=dict)
+    """Keyword arguments of the agent function."""
+    openai_host: str = "127.0.0.1"
+    """Address the OpenAI endpoint listens on (with `agent`)."""
+    openai_port: int = Field(0, ge=0, le=65535)
+    """Its port; 0: one the system picks (the agents are given their base_url)."""
+    session_timeout_s: float = Field(300.0, gt=0)
+    """A session whose reward has not come this long after its agent started is expired (counted;
+    its group is given up as a failed episode's is)."""
     groups_per_lease: int = Field(4, ge=1)
     """Prompt groups asked for in one lease; all their samples are generated as one engine batch."""
     worker_id: str = ""
@@ -124,6 +139,11 @@ class GeneratorConfig(WeightSyncAddress, BufferAddress):
         if self.engine == "vllm" and self.lora_rank > 512:
             errs.append(f"generator.lora_rank={self.lora_rank} (learner.lora_rank): vLLM serves LoRA adapters "
                         f"up to rank 512")
+        if self.env and self.agent:
+            errs.append(f"generator.env={self.env!r} and generator.agent={self.agent!r}: give one (an environment "
+                        f"the generator plays, or agent code that plays through the OpenAI endpoint)")
+        if self.agent and (":" not in self.agent or not self.agent.rpartition(":")[2].isidentifier()):
+            errs.append(f"generator.agent={self.agent!r} must be path/file.py:function or package.module:function")
         return errs
 
     def missing(self) -> list[str]:

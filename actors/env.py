@@ -39,6 +39,9 @@ abandoned (a thread cannot be killed) and keeps running until it returns.
 Naming an environment in config (`load_env(spec, kwargs)`; `kwargs` go to the class):
 
     guess                          a name of NAMED_ENVS (examples/envs/guess.py's GuessEnv)
+    tools                          a task answered with the help of tools (actors/tool_env.py's ToolEnv;
+                                   kwargs: tools, format, reward, ...)
+    textarena:GuessTheNumber-v0    a single-player TextArena game (actors/env_libs.py; kwargs go to ta.make)
     path/to/file.py:ClassName      a class in a Python file
     package.module:ClassName       a class in an importable module
     path/to/agent_func.py          an OpenRLHF agent file, as `--train.agent_func_path` takes it
@@ -337,6 +340,14 @@ def load_env(spec: str, kwargs: dict | None = None, key: str = "env") -> Callabl
 
     kwargs = dict(kwargs or {})
     where = f"{key}={spec!r}"
+    if spec == "tools":
+        from actors.tool_env import tool_env
+
+        return tool_env(kwargs, where)
+    if spec.startswith("textarena:"):
+        from actors.env_libs import textarena_env
+
+        return textarena_env(spec.removeprefix("textarena:"), kwargs, where)
     spec = NAMED_ENVS.get(spec, spec)
     source, sep, name = spec.rpartition(":")
     if not sep or not name.isidentifier():  # no class named: an OpenRLHF agent file
@@ -347,7 +358,8 @@ def load_env(spec: str, kwargs: dict | None = None, key: str = "env") -> Callabl
             raise EnvLoadError(f"{where}: no such file {source!r}" + (f" (nor {path})" if path != Path(source) else ""))
         module = _exec_file(path, where)
     elif not name:
-        raise EnvLoadError(f"{where}: neither a file, nor module:Class, nor a name of {sorted(NAMED_ENVS)}")
+        raise EnvLoadError(f"{where}: neither a file, nor module:Class, nor a name of {sorted(NAMED_ENVS)}, "
+                           "'tools' or 'textarena:GameId'")
     else:
         try:
             module = importlib.import_module(source)
@@ -382,6 +394,27 @@ def _check_signature(cls: type, kwargs: dict, where: str) -> None:
                            f"the environment's arguments {kwargs}: {e}") from None
     except ValueError:  # no signature to read (a builtin): leave it to the first episode
         pass
+
+
+def load_object(spec: str, where: str):
+    """The object `name` of `path/file.py:name` (absolute, or relative to the working directory or
+    the repository) or `package.module:name`; errors quote `where`."""
+    source, sep, name = spec.rpartition(":")
+    if not sep or not source or not name.isidentifier():
+        raise EnvLoadError(f"{where}: expected path/file.py:name or package.module:name, got {spec!r}")
+    path = Path(source) if Path(source).is_absolute() or Path(source).exists() else REPO / source
+    if source.endswith(".py"):
+        if not path.is_file():
+            raise EnvLoadError(f"{where}: no such file {source!r}")
+        module = _exec_file(path, where)
+    else:
+        try:
+            module = importlib.import_module(source)
+        except ImportError as e:
+            raise EnvLoadError(f"{where}: importing module {source!r} failed: {e}") from None
+    if not hasattr(module, name):
+        raise EnvLoadError(f"{where}: {source} defines no {name!r}")
+    return getattr(module, name)
 
 
 def _exec_file(path: Path, where: str) -> types.ModuleType:

@@ -7,7 +7,10 @@ One iteration:
 2. lease up to `groups_per_lease` prompt groups from the buffer, reporting our weights version
    (the buffer's admission control may answer `Wait`);
 3. tokenize the prompts (chat template when there is one), truncate or refuse long ones;
-4. sample `n_samples` completions of each in one engine call, while a thread renews the lease;
+4. sample `n_samples` completions of each in one engine call, while a thread renews the lease
+   (with `generator.env`: one multi-turn episode per sample, actors/episodes.py; with
+   `generator.agent`: agent code plays each sample through the OpenAI-compatible endpoint,
+   actors/openai_server.py);
 5. push one `Rollout` per completion to the scorers, through the buffer's relay.
 
 Weight-sync mode `interrupt` (the service's `weight_sync.mode`, with `generator.async_engine`):
@@ -266,9 +269,10 @@ def install_signal_handlers(stop: threading.Event) -> None:
 
 def make_rollouts(grant: LeaseGrant, cfg: GeneratorConfig, engine: Engine, sampling: Sampling,
                   client: BufferClient, worker_id: str, counts: Counters,
-                  sync: WeightSyncHook | None = None, factory=None) -> list[Rollout]:
+                  sync: WeightSyncHook | None = None, factory=None, agents=None) -> list[Rollout]:
     """Steps 3-4 for one lease: the rollouts of its groups (refused groups are reported, not sampled);
-    with an environment `factory`, one multi-turn episode per sample (actors/episodes.py)."""
+    with an environment `factory`, one multi-turn episode per sample (actors/episodes.py); with
+    `agents` (an `actors.openai_server.AgentServer`), one agent session per sample."""
     groups, prompt_ids = [], []
     for g in grant.groups:
         ids = encode_prompt(engine.tokenizer, g.prompt, cfg.use_chat_template, g.messages)
@@ -285,9 +289,9 @@ def make_rollouts(grant: LeaseGrant, cfg: GeneratorConfig, engine: Engine, sampl
         return []
     if grant.temperature is not None:  # an evaluation lease: sampled as the evaluation says
         sampling = replace(sampling, temperature=grant.temperature)
-    if factory is not None:
+    if factory is not None or agents is not None:
         return episode_rollouts(grant, groups, prompt_ids, cfg, engine, sampling, client, worker_id, counts,
-                                factory, sync)
+                                factory, sync, agents)
     # The version of every token, unless the weights change mid-batch (then the engine says per token).
     version = engine.version
     t0 = time.monotonic()
@@ -329,13 +333,17 @@ def _give_up(grant: LeaseGrant, groups, client: BufferClient, counts: Counters, 
 
 def episode_rollouts(grant: LeaseGrant, groups, prompt_ids, cfg: GeneratorConfig, engine: Engine,
                      sampling: Sampling, client: BufferClient, worker_id: str, counts: Counters, factory,
-                     sync: WeightSyncHook | None) -> list[Rollout]:
-    """The lease's multi-turn episodes as rollouts; a group with a failed episode is given up."""
+                     sync: WeightSyncHook | None, agents=None) -> list[Rollout]:
+    """The lease's multi-turn episodes (or agent sessions, whose first request is their prompt) as
+    rollouts; a group with a failed episode is given up."""
     t0 = time.monotonic()
+
+    def generate(contexts, turn):
+        return [c[0] for c in generate_batch(engine, contexts, 1, turn, sync)]
+
     try:
-        played = run_episodes(groups, prompt_ids, grant.n_samples, engine, sampling, cfg, factory,
-                              lambda contexts, turn: [c[0] for c in generate_batch(engine, contexts, 1, turn, sync)],
-                              counts.env)
+        played = (agents.play(groups, grant.n_samples, engine, sampling, cfg, generate, counts.env) if agents else
+                  run_episodes(groups, prompt_ids, grant.n_samples, engine, sampling, cfg, factory, generate, counts.env))
     except ValueError as e:  # the engine refused a context (e.g. past vLLM's max_model_len)
         return _give_up(grant, groups, client, counts, f"engine refused an episode's context: {e}")
     counts.generate_s += time.monotonic() - t0
@@ -344,9 +352,10 @@ def episode_rollouts(grant: LeaseGrant, groups, prompt_ids, cfg: GeneratorConfig
         episodes = played[g.group_id]
         failed = next((e.failure for e in episodes if e.failure is not None), None)
         if failed is not None:
-            log.warning("group %d given up: an episode's environment failed (%s: %s)", g.group_id, failed.kind,
+            source = "agent" if agents is not None else "environment"
+            log.warning("group %d given up: an episode's %s failed (%s: %s)", g.group_id, source, failed.kind,
                         failed.message[:300])
-            client.group_failed(grant.lease_id, g.group_id, f"environment {failed.kind}: {failed.message}"[:2000])
+            client.group_failed(grant.lease_id, g.group_id, f"{source} {failed.kind}: {failed.message}"[:2000])
             continue
         rollouts += [rollout_of(e, grant.lease_id, worker_id) for e in episodes]
         counts.tokens += sum(len(e.ids) for e in episodes)
@@ -390,6 +399,11 @@ def run_generator(cfg: GeneratorConfig, stop: threading.Event | None = None) -> 
         from actors.env import load_env
 
         factory = load_env(cfg.env, cfg.env_args, "generator.env")
+    agent = None
+    if cfg.agent:  # (the same: a bad agent spec is said before the engine starts)
+        from actors.agent_sessions import load_agent
+
+        agent = load_agent(cfg.agent, cfg.agent_args, "generator.agent")
     engine = build_engine(cfg)
     log.info("%s: %s engine on %s ready in %.1fs", worker_id, cfg.engine, cfg.model, time.monotonic() - t_start)
     t_start = time.monotonic()
@@ -404,7 +418,13 @@ def run_generator(cfg: GeneratorConfig, stop: threading.Event | None = None) -> 
     t_log = time.monotonic()
     waiting_since, next_wait_log = None, cfg.log_every_s  # how long the buffer has answered Wait
     code, ready = 0, False
+    agents = None
     try:
+        if agent is not None:  # the endpoint is up, its port bound, before the first lease
+            from actors.openai_server import AgentServer
+
+            agents = AgentServer(agent, cfg.agent_args, cfg.openai_host, cfg.openai_port,
+                                 model_name=os.path.basename(cfg.model.rstrip("/")) or "policy")
         if cfg.weight_sync_port:
             sync = WeightSyncHook(cfg, worker_id, engine)
             sync.initial(engine)
@@ -431,7 +451,7 @@ def run_generator(cfg: GeneratorConfig, stop: threading.Event | None = None) -> 
             log.info("lease %d: %d groups x %d samples (v%d)", reply.lease_id, len(reply.groups),
                      reply.n_samples, engine.version)
             keeper.hold(reply)
-            rollouts = make_rollouts(reply, cfg, engine, sampling, client, worker_id, counts, sync, factory)
+            rollouts = make_rollouts(reply, cfg, engine, sampling, client, worker_id, counts, sync, factory, agents)
             if rollouts:
                 client.push_rollouts(rollouts)
             keeper.pushed(reply.lease_id)
@@ -454,6 +474,8 @@ def run_generator(cfg: GeneratorConfig, stop: threading.Event | None = None) -> 
         client.close()
         if sync is not None:
             sync.close()
+        if agents is not None:
+            agents.close()
         engine.close()
     return code
 
@@ -473,3 +495,5 @@ def _log_throughput(c: Counters, prev: Counters, dt: float, keeper: LeaseKeeper,
              "total: " if final else "", tokens, dt, tokens / max(dt, 1e-9), tokens / max(gen_s, 1e-9),
              c.samples - prev.samples, c.groups - prev.groups, c.leases, c.truncated, c.refused,
              keeper.renewed, keeper.lost, version)
+    if c.env:  # episodes' and agent sessions' counts (failures by kind, truncations)
+        log.info("%sepisodes: %s", "total " if final else "", " ".join(f"{k}={v}" for k, v in sorted(c.env.items())))

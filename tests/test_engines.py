@@ -336,3 +336,117 @@ def test_a_broken_environment_fails_its_episode_only_and_turns_are_bounded(vllm_
     assert [e.finish for e in episodes] == ["stop"] * 3
     assert max(t for f in fast for t in f.done_at) < slow.done_at[0], "a fast episode waited for the slow one"
 
+
+
+# ---- the OpenAI endpoint for agent code (actors/openai_server.py) on the running vLLM engine ---------
+
+
+_ADDED: dict = {}  # session id -> the texts its agent added, in order
+
+
+async def _openai_agent(base_url: str, row):
+    """Three requests through the `openai` client, adding the session's own id between them (so
+    sessions that mixed would show it), by completions or chat as the row's label says; the
+    labels rewrite, silent and raise break the session as they say."""
+    import openai
+
+    sid = base_url.split("/s/")[1].split("/")[0]
+    added = _ADDED.setdefault(sid, [])
+    async with openai.AsyncOpenAI(base_url=base_url, api_key="-", max_retries=0) as client:
+        if row.label == "raise":
+            raise RuntimeError("the agent broke")
+        if row.label == "chat":
+            messages = [{"role": "user", "content": row.prompt}]
+            for turn in range(3):
+                out = await client.chat.completions.create(model="m", messages=messages, max_tokens=4)
+                added.append(f" {sid[:4]} {turn}")
+                messages += [{"role": "assistant", "content": out.choices[0].message.content},
+                             {"role": "user", "content": added[-1]}]
+            return 0.5
+        prompt = row.prompt
+        for turn in range(3):
+            out = await client.completions.create(model="m", prompt=prompt, max_tokens=4, logprobs=0)
+            added.append(f" {sid[:4]} {turn}")
+            prompt += out.choices[0].text + added[-1]
+            if row.label == "rewrite":
+                prompt = "12+34=" + prompt[7:]
+        return None if row.label == "silent" else 1.0
+
+
+def test_openai_endpoint_records_the_engines_ids_and_the_agents_exactly(vllm_engine, hf, tiny_model_dir):
+    """Agents on the `openai` client, over real HTTP, two sessions per prompt at once: each session's
+    rollout is, id for id, what the engine sampled for it with its own agent's added ids between
+    (completions: the new text's ids; chat: the template's ids after the model's end-of-turn), its
+    log-probs the learner's; a rewritten history gets 400, a session that never reports expires,
+    an agent that raises fails its own group; all counted."""
+    from collections import Counter
+
+    from actors.config import GeneratorConfig
+    from actors.episodes import rollout_of
+    from actors.openai_server import AgentServer
+    from buffer.protocol import PromptGroup
+
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)  # the engine's, with a chat template (its own has none)
+    tok.chat_template = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}</s>\n{% endfor %}"
+                         "{% if add_generation_prompt %}<assistant>{% endif %}")
+    cfg = GeneratorConfig(model=str(tiny_model_dir), max_new_tokens=4, max_turns=4, session_timeout_s=60.0)
+    turns = []
+
+    def generate(contexts, turn):
+        out = [c[0] for c in vllm_engine.generate(contexts, 1, turn)]
+        turns.append((contexts, out))
+        return out
+
+    labels = ["text", "chat", "rewrite", "raise", "silent"]
+    groups = [PromptGroup(i, f"{i}+{i}=", label) for i, label in enumerate(labels)]
+    _ADDED.clear()
+    server = AgentServer(_openai_agent, {}, tokenizer=tok)
+    sampling = Sampling(temperature=1.0, max_tokens=4, seed=3)
+    try:
+        counts = Counter()
+        played = server.play(groups[:4], 2, vllm_engine, sampling, cfg, generate, counts)
+        # the silent one in a lease of its own, with a short timeout (the others' run time is the machine's)
+        silent = server.play(groups[4:], 1, vllm_engine, sampling, cfg.model_copy(update={"session_timeout_s": 0.5}),
+                             generate, counts)[4]
+    finally:
+        server.close()
+    failed = [[e.failure.kind if e.failure else None for e in played[g.group_id]] for g in groups[:4]]
+    assert failed == [[None] * 2, [None] * 2, ["rewritten"] * 2, ["raised"] * 2], [
+        e.failure.message for g in groups[:2] for e in played[g.group_id] if e.failure]
+    assert silent[0].failure.kind == "expired" and silent[0].turns == 3
+    assert counts["sessions_opened"] == 9 and counts["sessions_completed"] == 4 and counts["sessions_failed"] == 5
+    assert counts["sessions_expired"] == 1 and counts["sessions_rewritten"] == 2 and counts["sessions_raised"] == 2
+    assert any(len(contexts) >= 4 for contexts, _ in turns), "the sessions did not share engine batches"
+    eos = tok.eos_token_id
+    for g in groups[:2]:
+        for e in played[g.group_id]:
+            sid = next(s for s in _ADDED if f" {s[:4]} 0" in e.texts[1])  # (the session's first addition)
+            r = rollout_of(e, lease_id=1, worker_id="w")
+            prompt = r.prompt_ids.tolist()
+            if g.label == "chat":
+                assert prompt == list(tok.apply_chat_template([{"role": "user", "content": g.prompt}],
+                                                              add_generation_prompt=True, return_dict=False))
+            else:
+                assert prompt == tok.encode(g.prompt)
+            want, mask, k = [], [], 0
+            for contexts, out in turns:
+                for context, c in zip(contexts, out):
+                    if context != prompt + want:
+                        continue
+                    want += c.token_ids
+                    mask += [1] * len(c.token_ids)
+                    if k < 2:  # the agent's addition before the next request (none after the last)
+                        text = _ADDED[sid][k] if g.label == "text" else f"\n<user>{_ADDED[sid][k]}</s>\n<assistant>"
+                        added = ([eos] if g.label == "chat" and want[-1] != eos else []) + tok.encode(
+                            text, add_special_tokens=False)
+                        want += added
+                        mask += [0] * len(added)
+                    k += 1
+            assert k == 3 and r.completion_ids.tolist() == want and r.action_mask.tolist() == mask
+            assert r.env_reward == (1.0 if g.label == "text" else 0.5) and r.finish_reason == "stop"
+            learner = completion_logprobs(hf.model, [prompt], [want])[0]
+            gap = (learner - torch.tensor(r.behav_logprobs))[torch.tensor(mask, dtype=torch.bool)].abs().max().item()
+            assert gap < TOL, gap
+            assert (r.behav_logprobs[r.action_mask == 0] == 0).all()
