@@ -39,6 +39,7 @@ from buffer.protocol import (
     encode,
 )
 from common.channel import Channel, recv_frames, send_frames
+from common.curve import apply, client_options
 
 
 class BufferError(RuntimeError):
@@ -62,7 +63,9 @@ class BufferClient:
         self.timeout_s = timeout_s
         self.limits = limits
         self._ctx = context or zmq.Context.instance()
-        self.channel = Channel(self.endpoints["control"], "buffer", timeout_s, context=self._ctx)
+        self.curve = client_options("admin")  # CurveZMQ keys when the run has them (common/curve.py)
+        self.channel = Channel(self.endpoints["control"], "buffer", timeout_s, context=self._ctx,
+                               options=self.curve)
         self._push_rollouts: zmq.Socket | None = None
         self._push_scored: zmq.Socket | None = None
         self._pull_rollouts: zmq.Socket | None = None
@@ -140,7 +143,7 @@ class BufferClient:
         attr = "_push_rollouts" if which == "relay_in" else "_push_scored"
         s = getattr(self, attr)
         if s is None:
-            s = self._ctx.socket(zmq.PUSH)
+            s = apply(self._ctx.socket(zmq.PUSH), self.curve)
             s.setsockopt(zmq.LINGER, 5000)  # give queued rollouts a chance to leave on close
             s.setsockopt(zmq.SNDHWM, 1000)
             s.connect(self.endpoints[which])
@@ -161,7 +164,7 @@ class BufferClient:
         A malformed message is skipped (it raises `ProtocolError` for the caller to log and count).
         """
         if self._pull_rollouts is None:
-            s = self._ctx.socket(zmq.PULL)
+            s = apply(self._ctx.socket(zmq.PULL), self.curve)
             s.setsockopt(zmq.LINGER, 0)
             s.setsockopt(zmq.RCVHWM, 100)
             s.connect(self.endpoints["relay_out"])

@@ -7,6 +7,7 @@ from typing import ClassVar, Literal
 from pydantic import Field, field_validator
 
 from common.config import Endpoint, Section
+from common.curve import Mode as CurveMode
 
 
 class BufferConfig(Section):
@@ -16,6 +17,10 @@ class BufferConfig(Section):
 
     host: str = "127.0.0.1"
     """Interface the buffer binds (and the address clients use); 127.0.0.1 unless roles span machines."""
+    curve: CurveMode = "auto"
+    """CurveZMQ on the buffer's four sockets (common/curve.py): `auto` = on exactly when `host` is
+    not loopback; `on` also on loopback; `off` never (a trusted network only). On, it needs the
+    run's keys (`CONVEYOR_KEYS`; `python -m launch.keys RUN_DIR`; the launchers make them)."""
     port: int = Field(5555, gt=0, lt=65533)
     """Control socket (ROUTER: leases, batches, metrics). The next three ports are the ingest socket
     (PULL, scored rollouts), the relay input (PULL, raw rollouts from generators) and the relay

@@ -33,6 +33,7 @@ from typing import NamedTuple, Sequence
 
 import zmq
 
+from buffer.access import SOCKET_ROLES, Gate, refused_peers
 from buffer.config import BufferConfig, EvalConfig, endpoints
 from buffer.eval import Evaluator, eval_prompts
 from buffer.protocol import (
@@ -65,6 +66,7 @@ from buffer.groups import RequestError, Sample
 from buffer.state import BufferState
 from buffer.store import StateStore
 from common.channel import recv_frames, send_frames
+from common.zap import Guard, server_guard
 from common.guards import MemoryGuard, WarnLimiter, rss_bytes
 from common.ready import mark_ready
 
@@ -117,6 +119,9 @@ class BufferService:
         self.limits = DEFAULT_LIMITS
         self.warnings = WarnLimiter(log)
         self.stopping = False
+        self.ctx = zmq.Context()
+        # CurveZMQ: who may connect, and what each may ask (buffer/access.py); None on trusted loopback
+        self.guard = server_guard(cfg.curve, cfg.host, self.ctx, "buffer")
         prompts = prompts_from_config(cfg)
         self.store = (StateStore(cfg.state_dir, cfg.fsync, int(cfg.compact_mb * 1e6))
                       if cfg.state_dir else None)
@@ -135,7 +140,7 @@ class BufferService:
                 self._restore(saved)
 
         self.endpoints = endpoints(cfg.host, cfg.port)
-        self.ctx = zmq.Context()
+        self.gate = Gate(self._lease_live, self.state.counters) if self.guard else None
         self._open_sockets()
         self._relay_pending: list | None = None  # a message relay_out could not take yet
         self.memory: MemoryGuard | None = None  # set by `run` when the buffer is a process of its own
@@ -163,6 +168,8 @@ class BufferService:
         s.setsockopt(zmq.SNDHWM, SNDHWM[name])
         if kind == zmq.PUSH:
             s.setsockopt(zmq.IMMEDIATE, 1)  # queue only to peers whose connection is complete
+        if self.guard is not None:
+            self.guard.secure(s, name, SOCKET_ROLES[name])
         for attempt in range(tries):  # (binding again: the old listener may take a moment to go)
             try:
                 s.bind(self.endpoints[name])
@@ -283,7 +290,7 @@ class BufferService:
             reply = encode(Error("message: expected an empty delimiter frame then the message", "message"))
         else:
             try:
-                reply = self.handle_request(frames[2:])
+                reply = self.handle_request(frames[2:], Guard.who(frames[-1]) if self.guard else None)
             except ProtocolError as e:
                 self._malformed("control", e)
                 reply = encode(Error(str(e), e.field))
@@ -296,16 +303,21 @@ class BufferService:
         # a ROUTER never blocks: a reply to a peer past its SNDHWM (it does not read) is dropped
         send_frames(self.control, [identity, b"", *reply], zmq.NOBLOCK)
 
-    def handle_request(self, body: Sequence) -> list:
-        """The reply frames to one request (the frames after the delimiter)."""
+    def handle_request(self, body: Sequence, who: str | None = None) -> list:
+        """The reply frames to one request (the frames after the delimiter) from the key named `who`
+        (None: CURVE is off, nothing to check)."""
         now = time.monotonic()
         kind, _ = decode_envelope(body, self.limits)
+        if self.gate and kind == "scored":
+            self.gate.check(kind, who)
         if kind == "scored":
             accepted, rejected = self.take_scored(body[1:])
             return encode(Ack(accepted, rejected, f"{accepted} accepted, {rejected} refused (late or duplicate)"))
         if kind in NOT_REQUESTS:
             raise ProtocolError("envelope.type", f"{short(kind)} is not a request the buffer serves on control")
         msg = decode(body, self.limits)
+        if self.gate:
+            self.gate.check(msg, who)
         if isinstance(msg, LeaseRequest):
             reply = self.evals and self.evals.lease(msg.max_groups, msg.version, now)  # (ahead of training)
             reply = reply or self.state.lease(msg.worker_id, msg.max_groups, now, msg.version)
@@ -314,6 +326,8 @@ class BufferService:
             else:
                 log.debug("lease %d to %s: groups %s", reply.lease_id, msg.worker_id,
                           _ids([g.group_id for g in reply.groups]))
+                if self.gate:
+                    self.gate.granted(reply, who)
             return encode(reply)
         if isinstance(msg, LeaseRenew):
             if self.evals and self.evals.owns_lease(msg.lease_id):
@@ -350,12 +364,16 @@ class BufferService:
                          moved["kept_ready"], moved["reissued"])
             return encode(Ack(1, 0, f"resumed at step {msg.step}: {moved['reissued']} groups issued again"))
         if isinstance(msg, MetricsRequest):
-            return encode(Metrics({**self.state.metrics(now), **(self.evals.metrics() if self.evals else {})}))
+            return encode(Metrics({**self.state.metrics(now), **(self.evals.metrics() if self.evals else {}),
+                                   **refused_peers(self.guard)}))
         if isinstance(msg, EvalRequest):
             if self.evals is None:
                 raise RequestError("eval_request", "this buffer has no evaluation dataset (eval.dataset)")
             return encode(self.evals.request(msg.version, now))
         raise ProtocolError("envelope.type", f"{type(msg).__name__} is not a request the buffer serves")
+
+    def _lease_live(self, lease_id: int) -> bool:
+        return lease_id in self.state.leases or bool(self.evals and self.evals.owns_lease(lease_id))
 
     # ---- scored rollouts -------------------------------------------------------------------
 
@@ -462,6 +480,8 @@ class BufferService:
 
     def shutdown(self) -> None:
         self.close_sockets()
+        if self.guard is not None:
+            self.guard.close()
         self.ctx.term()
         if self.store:
             self.store.snapshot(self.state)

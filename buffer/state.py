@@ -57,7 +57,7 @@ COUNTERS = ("accepted_groups", "accepted_rollouts", "dropped_stale", "dropped_ov
             "filtered", "filter_cap_hits", "no_signal_groups", "unfiltered_past_cap", "late", "duplicates",
             "malformed", "reissued", "expired_leases", "leases", "served_groups", "served_rollouts", "relayed",
             "internal_errors", "resumes", "reissued_after_resume", "future_rollouts", "refused_old_weights",
-            "refused_future_weights", "memory_resets")
+            "refused_future_weights", "memory_resets", "refused_requests")
 
 log = logging.getLogger("buffer")
 

@@ -28,10 +28,11 @@ def main(argv: list[str] | None = None) -> int:
     from buffer.service import ResumeError, serve
     from buffer.state import PromptsError
     from buffer.store import StateLocked
+    from common.curve import KeyFolderError
 
     try:
         return serve(cfg, resume=flags["resume"], eval_cfg=eval_cfg)
-    except (PromptsError, ResumeError, StateLocked) as e:
+    except (PromptsError, ResumeError, StateLocked, KeyFolderError) as e:
         print(f"launch.buffer: {e}", file=sys.stderr)
         return 2
     except OSError as e:  # a port already taken

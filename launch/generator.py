@@ -10,7 +10,11 @@ CONFIG (see actors/config.py for every key); the buffer's address defaults to th
 from __future__ import annotations
 
 import logging
+import os
+import socket
 import sys
+
+from common.curve import default_identity
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -18,6 +22,9 @@ def main(argv: list[str] | None = None) -> None:
     from launch.config import role_main_config
 
     cfg, _, _ = role_main_config(GeneratorConfig, "generator", argv, __doc__)
+    if not cfg.worker_id:  # (one name for its leases, its weight rounds and its CurveZMQ key)
+        cfg.worker_id = f"gen-{socket.gethostname()}-{os.getpid()}"
+    default_identity(cfg.worker_id)
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
                         format="%(asctime)s generator %(levelname)s %(message)s")
     from actors.env import EnvLoadError

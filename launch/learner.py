@@ -22,6 +22,9 @@ def main(argv: list[str] | None = None) -> None:
     from weight_sync.config import WeightSyncConfig
 
     cfg, path, _ = role_main_config(LearnerConfig, "learner", argv, __doc__)
+    from common.curve import default_identity
+
+    default_identity("learner")  # (its CurveZMQ key, when the run has keys)
     weight_sync = None
     if cfg.weight_sync_port:
         try:

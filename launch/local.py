@@ -39,8 +39,9 @@ from launch.recovery import EXIT_CODES, RESUMABLE
 
 def plan_roles(run) -> list:
     """The processes of the run in start order (launch/roles.py), with launch.local's restart policy."""
-    from launch.roles import RestartPolicy, plan
+    from launch.roles import RestartPolicy, plan, prepare_keys
 
+    prepare_keys(run)  # (CurveZMQ on: the run's keys, before any role starts)
     return plan(run, "local", RestartPolicy(run.run.max_restarts, run.run.restart_delay_s))
 
 

@@ -25,7 +25,8 @@ from typing import Any, Callable
 
 from launch.ray_config import ResourceError, check_resources, resolved_text, tie_addresses
 from launch.ray_placement import Placement, Slot
-from launch.roles import ROOT, RestartPolicy, RoleSpec, State, after_exit, generator_spec, gone_for_good, plan
+from launch.roles import (ROOT, RestartPolicy, RoleSpec, State, after_exit, generator_spec, gone_for_good, plan,
+                          prepare_keys)
 
 
 class RunFailed(RuntimeError):
@@ -205,6 +206,7 @@ class RayRun:
         self.controller = self.Control.options(name=name, namespace=self.rcfg.namespace, num_cpus=0,
                                                max_concurrency=4).remote(str(self.run_dir), r.num_generators)
         groups = self.placement.place_all()
+        prepare_keys(self.run)  # (CurveZMQ on: the run's keys, before any role starts)
         specs = plan(self.run, "ray", self.restart_policy)
         for spec in specs:
             if spec.kind in ("buffer", "weight_sync"):

@@ -14,6 +14,7 @@ import json
 import os
 import sys
 import time
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from launch.ray_roles import CONTROLLER_PREFIX
@@ -166,6 +167,9 @@ def control_main(argv: list[str]) -> int:
 def service_status(st: dict) -> dict:
     """The weight-sync service's view of the generators and the buffer's counters, when reachable."""
     out = {}
+    keys = Path(st.get("run_dir", "")) / "keys"
+    if st.get("run_dir") and keys.is_dir():  # (CurveZMQ on: the run's admin key; common/curve.py)
+        os.environ.setdefault("CONVEYOR_KEYS", str(keys))
     try:
         from weight_sync.client import GeneratorSyncClient
 

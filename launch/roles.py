@@ -30,6 +30,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from common.curve import KEYS_ENV, NAME_ENV, make_keys
 from launch.process import PYTHON
 
 CONFIG = "{config}"  # in a role's argv: the path of the resolved config it reads
@@ -113,14 +114,31 @@ def gone_for_good(states: list[State]) -> bool:
     return bool(states) and all(s in (State.FAILED, State.STOPPED) for s in states)
 
 
-def role_env(threads: int) -> dict[str, str]:
-    """The environment every role process gets on top of its launcher's."""
+def role_env(threads: int, keys: str = "", key_name: str = "") -> dict[str, str]:
+    """The environment every role process gets on top of its launcher's; with `keys` (the run's
+    CurveZMQ key folder), also that folder and the process's identity `key_name`."""
     env = {"PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""), "PYTHONUNBUFFERED": "1",
            "TOKENIZERS_PARALLELISM": "false"}
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"))
     if threads:
         env.update(OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads))
+    if keys:
+        env.update({KEYS_ENV: keys, **({NAME_ENV: key_name} if key_name else {})})
     return env
+
+
+def keys_dir(run) -> str:
+    """The run's CurveZMQ key folder when its sockets speak CURVE (see run.curve), else ""."""
+    return str(Path(run.run.run_dir).resolve() / "keys") if run.buffer.curve == "on" else ""
+
+
+def prepare_keys(run) -> str:
+    """Make the run's keys (kept if they exist: a resumed run keeps them); the folder or ""."""
+    folder = keys_dir(run)
+    if folder:
+        make_keys(folder)
+        os.environ[KEYS_ENV] = folder  # (the launcher asks the buffer too, as `admin`)
+    return folder
 
 
 def generator_spec(run, i: int, launcher: str, restart: RestartPolicy) -> RoleSpec:
@@ -129,7 +147,7 @@ def generator_spec(run, i: int, launcher: str, restart: RestartPolicy) -> RoleSp
     return RoleSpec(f"generator-{i}", "generator",
                     [PYTHON, "-m", "launch.generator", CONFIG, "--generator.worker_id", f"gen-{i}",
                      "--generator.seed", str(run.generator.seed + i)],
-                    role_env(r.threads_per_role), required=False, restart=restart,
+                    role_env(r.threads_per_role, keys_dir(run), f"gen-{i}"), required=False, restart=restart,
                     ready=Readiness(timeout_s=r.ready_timeout_s),
                     cpus=r.generator_cpus if launcher == "local" else "")
 
@@ -138,25 +156,28 @@ def plan(run, launcher: str, restart: RestartPolicy) -> list[RoleSpec]:
     """The processes of `run` in start order, for `launcher` "local" or "ray"; `restart` is the
     generators' and scorers' policy (run.max_restarts or ray.max_restarts)."""
     r = run.run
-    env = role_env(r.threads_per_role)
+    keys = keys_dir(run)
+    env = role_env(r.threads_per_role, keys)
     waited = Readiness(wait=True, timeout_s=r.ready_timeout_s)
     specs = [RoleSpec(kind, kind, [PYTHON, "-m", f"launch.{kind}", CONFIG], env, finishes=False, ready=waited)
              for kind in ("buffer", "weight_sync")]
     specs += [RoleSpec(f"scorer-{i}", "scorer", [PYTHON, "-m", "launch.scorer", CONFIG, "--scorer.worker_id",
-                                                 f"scorer-{i}"], env, required=False, restart=restart,
+                                                 f"scorer-{i}"], role_env(r.threads_per_role, keys, f"scorer-{i}"),
+                       required=False, restart=restart,
                        ready=Readiness(timeout_s=r.ready_timeout_s))
               for i in range(r.num_scorers)]
     specs += [generator_spec(run, i, launcher, restart) for i in range(r.num_generators)]
     learner = [PYTHON, "-m", "launch.learner", CONFIG]
     if launcher == "ray":  # one process per rank; only rank 0 says it is ready
-        specs += [RoleSpec(f"learner-{rank}", "learner", learner, env,
+        specs += [RoleSpec(f"learner-{rank}", "learner", learner, role_env(r.threads_per_role, keys, "learner"),
                            ready=waited if rank == 0 else Readiness(probe="none"))
                   for rank in range(r.learner_ranks)]
     else:
         if r.learner_ranks > 1:
             learner = [PYTHON, "-m", "torch.distributed.run", "--nproc_per_node", str(r.learner_ranks),
                        "--master_port", str(run.weight_sync.port + 1), "-m", "launch.learner", CONFIG]
-        specs.append(RoleSpec("learner", "learner", learner, env, ready=waited, cpus=r.learner_cpus))
+        specs.append(RoleSpec("learner", "learner", learner, role_env(r.threads_per_role, keys, "learner"),
+                              ready=waited, cpus=r.learner_cpus))
     return specs
 
 

@@ -23,6 +23,7 @@ from typing import Any, ClassVar, Literal, Sequence
 
 from pydantic import Field, field_validator
 
+from common.curve import Mode as CurveMode, is_loopback
 from launch.config import (ConfigError, Section, apply_flags, build, is_set, read_yaml,
                            render_help, suggest, tie_addresses)
 # OpenRLHF's train_ppo_ray flags (0.11.2 and 0.11's names): mapped, accepted or refused, flag by flag
@@ -70,6 +71,12 @@ class RunConfig(Section):
     stall_timeout_s: float = Field(1200.0, ge=0)
     """Stop the run (exit code 8) when the learner finishes no step for this many seconds, and say
     why (the buffer's diagnosis); 0: never."""
+
+    curve: CurveMode = "auto"
+    """CurveZMQ on every socket of the run (common/curve.py; sets buffer.curve and weight_sync.curve):
+    `auto` = on exactly when the buffer or the weight-sync service binds anything but loopback,
+    `on` always, `off` never (a trusted network). On, the launcher makes the run's keys in
+    `<run_dir>/keys` (0700) and hands each role its identity."""
 
     @field_validator("base_port")
     @classmethod
@@ -188,6 +195,8 @@ def finish(run: Run, explicit: dict | None = None) -> None:
     if not is_set(explicit, "learner.eval_every"):
         l.eval_every = ev.every if ev.dataset else 0
     tie_addresses((g, s, l), b, w)
+    secure = r.curve == "on" or (r.curve == "auto" and not (is_loopback(b.host) and is_loopback(w.host)))
+    b.curve = w.curve = "on" if secure else "off"  # (one decision: every role holds the same keys or none)
     if not is_set(explicit, "generator.lora_rank"):
         g.lora_rank = l.lora_rank  # the generator serves the adapters the learner trains
     if not is_set(explicit, "scorer.max_new_tokens"):
@@ -196,7 +205,7 @@ def finish(run: Run, explicit: dict | None = None) -> None:
         l.temperature = g.temperature if g.temperature > 0 else 1.0
     if l.kl_coef > 0 and not s.reference and not l.lora_rank:  # (LoRA: the learner's base is the reference)
         s.reference = l.model_path
-    if g.env:  # the environment's reward is the episode's; a reward function adds to it where one is named
+    if g.env or g.agent:  # the episode's reward (environment or agent code); a reward function adds to it if named
         if not is_set(explicit, "scorer.kinds"):
             s.kinds = [k for k in s.kinds if k != "reward_fn" or s.reward_fn]
         if "env" not in s.kinds:

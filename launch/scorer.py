@@ -19,6 +19,9 @@ def main(argv: list[str] | None = None) -> None:
     from launch.config import role_main_config
 
     cfg, _, _ = role_main_config(ScorerConfig, "scorer", argv, __doc__)
+    from common.curve import default_identity
+
+    default_identity("scorer")  # (its CurveZMQ key, when the run has keys)
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
                         format="%(asctime)s scorer %(levelname)s %(message)s")
     from actors.scorer import run_scorer

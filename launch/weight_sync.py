@@ -16,9 +16,14 @@ def main(argv: list[str] | None = None) -> None:
 
     cfg, _, _ = role_main_config(WeightSyncConfig, "weight_sync", argv, __doc__)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    from common.curve import KeyFolderError
     from weight_sync.service import serve
 
-    serve(cfg)
+    try:
+        serve(cfg)
+    except KeyFolderError as e:
+        print(f"launch.weight_sync: {e}", file=sys.stderr)
+        sys.exit(2)
 
 
 if __name__ == "__main__":

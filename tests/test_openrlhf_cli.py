@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 
 import pytest
+import yaml
 
 from launch.config import ConfigError
 
@@ -321,7 +322,9 @@ def test_the_quick_start_trains_through_launch_local(quick_start_files, tmp_path
     from conftest import subprocess_env
 
     run_dir = tmp_path / "checkpoint"
-    res = subprocess.run([sys.executable, "-m", "launch.local", *run_quick_start(quick_start_files, run_dir)],
+    # with CurveZMQ on (on loopback it is off unless asked): every role holds the run's keys
+    res = subprocess.run([sys.executable, "-m", "launch.local", *run_quick_start(quick_start_files, run_dir),
+                          "--run.curve", "on"],
                          cwd=ROOT, env=subprocess_env(), capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
@@ -331,3 +334,6 @@ def test_the_quick_start_trains_through_launch_local(quick_start_files, tmp_path
     assert (run_dir / "checkpoints" / "step_2" / "config.json").is_file()
     resolved = (run_dir / "config.yaml").read_text()
     assert quick_start_files["rm"] in resolved and "reward_model" in resolved
+    assert yaml.safe_load(resolved)["buffer"]["curve"] == "on" and (run_dir / "keys").stat().st_mode & 0o777 == 0o700
+    assert {p.name for p in (run_dir / "keys").glob("*.secret")} >= {"server.secret", "learner.secret",
+                                                                       "scorer-0.secret", "gen-0.secret"}

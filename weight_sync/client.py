@@ -29,6 +29,7 @@ import msgspec
 import zmq
 
 from common.channel import Channel
+from common.curve import client_options
 from weight_sync.config import endpoint
 from weight_sync.messages import (
     Ack,
@@ -60,8 +61,8 @@ class WeightSyncError(RuntimeError):
 
 
 def channel(host: str, port: int, timeout_s: float = 10.0, context: zmq.Context | None = None) -> Channel:
-    """A request/reply channel to the weight-sync service at `host:port`."""
-    return Channel(endpoint(host, port), "weight-sync service", timeout_s, context)
+    """A request/reply channel to the weight-sync service at `host:port` (CurveZMQ with the run's keys)."""
+    return Channel(endpoint(host, port), "weight-sync service", timeout_s, context, options=client_options("admin"))
 
 
 def ask(ch: Channel, msg: Msg, timeout_s: float | None = None) -> Msg:

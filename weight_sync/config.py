@@ -12,6 +12,7 @@ from typing import ClassVar, Literal
 from pydantic import Field
 
 from common.config import Endpoint, Section
+from common.curve import Mode as CurveMode
 
 BACKENDS = ("auto", "gloo", "nccl", "disk")
 MODES = ("finish", "interrupt")
@@ -27,6 +28,9 @@ class WeightSyncConfig(Section):
     """Interface the service binds (and the address senders and generators connect to)."""
     port: int = Field(5600, gt=0, lt=65536)
     """The service's control socket (ZeroMQ ROUTER)."""
+    curve: CurveMode = "auto"
+    """CurveZMQ on the control socket (common/curve.py): `auto` = on exactly when `host` is not
+    loopback, `on` also on loopback, `off` never. On, it needs the run's keys (`CONVEYOR_KEYS`)."""
     mode: Literal["finish", "interrupt"] = "finish"
     """How generators apply a round: `finish` (load between batches) or `interrupt` (pause
     in-flight requests, load, resume: partial rollouts then mix versions, and their token versions

@@ -33,8 +33,10 @@ from dataclasses import dataclass, field
 import msgspec
 import zmq
 
+from common.curve import role_of
 from common.guards import MemoryGuard, WarnLimiter
 from common.ready import mark_ready
+from common.zap import Guard, server_guard
 from weight_sync.config import WeightSyncConfig, endpoint
 from weight_sync.messages import (
     MAX_MESSAGE_BYTES,
@@ -62,6 +64,11 @@ from weight_sync.messages import (
 )
 
 log = logging.getLogger("conveyor.weight_sync.service")
+# With CurveZMQ on (common/curve.py), what each role may ask; a generator's requests must also
+# carry its own key's name as worker_id, so one generator cannot act for another.
+REQUEST_ROLES = {Register: "generator", Poll: "generator", Done: "generator", Unregister: "generator",
+                 Ready: "learner", PendingRequest: "learner", RoundResult: "learner",
+                 StatusRequest: ("learner", "generator", "scorer", "admin")}
 
 
 @dataclass
@@ -335,9 +342,13 @@ class WeightSyncService:
         self._stop = threading.Event()
         self._ready = threading.Event()
         self._guard_memory = guard_memory
+        self.guard = server_guard(cfg.curve, cfg.host, self._ctx, "weight-sync service")
+        self.state.counts.update(refused_requests=0)
 
     def _bind(self, tries: int = 1) -> zmq.Socket:
         sock = self._ctx.socket(zmq.ROUTER)
+        if self.guard is not None:
+            self.guard.secure(sock, "weight_sync", ("learner", "generator", "admin"))
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
         sock.setsockopt(zmq.RCVHWM, RCV_HWM)
@@ -374,14 +385,17 @@ class WeightSyncService:
                     memory.reset()
         finally:
             sock.close(0)
+            if self.guard is not None:
+                self.guard.close()
 
     def _serve_one(self, sock: zmq.Socket) -> None:
         try:
-            frames = sock.recv_multipart(zmq.NOBLOCK)
+            frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
         except zmq.Again:
             return
+        who = Guard.who(frames[-1]) if self.guard is not None else None
         try:
-            reply = encode(self._answer(frames[1:]))
+            reply = encode(self._answer([f.bytes for f in frames[1:]], who))
         except Exception:  # e.g. a reply that cannot be encoded: still an answer, and the loop goes on
             self.state.counts["internal_errors"] += 1
             self.warnings.warn("internal", "weight-sync reply failed", exc_info=True)
@@ -389,11 +403,13 @@ class WeightSyncService:
         # a ROUTER never blocks: a reply to a peer past SND_HWM (it does not read) is dropped
         sock.send_multipart([frames[0], b"", reply], zmq.NOBLOCK)
 
-    def _answer(self, body: list[bytes]):
+    def _answer(self, body: list[bytes], who: str | None = None):
         try:
             if len(body) != 2 or body[0] != b"":
                 raise ProtocolError("message", f"expected [empty, payload] frames, got {len(body)} frames")
-            reply = self.state.handle(decode(body[1]))
+            msg = decode(body[1])
+            refusal = self._refusal(msg, who) if self.guard is not None else None
+            reply = refusal or self.state.handle(msg)
         except ProtocolError as e:
             self.state.counts["malformed"] += 1
             reply = Error(str(e), e.field)
@@ -405,6 +421,20 @@ class WeightSyncService:
             self.state.counts["errors"] += 1
             self.warnings.warn("refused", "refused a request: %s", reply.message)
         return reply
+
+    def _refusal(self, msg, who: str | None) -> Error | None:
+        """Why the key named `who` may not make request `msg` (CURVE on), or None."""
+        allowed = REQUEST_ROLES.get(type(msg), ())
+        role = role_of(who) if who else None
+        why = ""
+        if role not in ((allowed,) if isinstance(allowed, str) else allowed):
+            why = f"{type(msg).__name__} is not for this peer's key ({who or 'unknown'}, role {role or 'none'})"
+        elif role == "generator" and getattr(msg, "worker_id", who) != who:
+            why = f"{type(msg).__name__} for {getattr(msg, 'worker_id')!r} from the key of {who}"
+        if not why:
+            return None
+        self.state.counts["refused_requests"] += 1
+        return Error(why, "permission")
 
     def start(self) -> threading.Thread:
         """Serve from a daemon thread (tests, the local launcher); returns once bound."""

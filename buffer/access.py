@@ -1,0 +1,82 @@
+"""Who may ask the buffer what, when its sockets speak CurveZMQ (`common/curve.py`).
+
+With CURVE on, a peer gets a connection only with one of the run's keys whose role may use that
+socket (`SOCKET_ROLES`), and every request it sends carries its key's name. Then each request must
+come from a role that makes it (`REQUEST_ROLES`): only the learner's ranks fetch batches, set the
+version, resume or ask for an evaluation round; only generators lease; only scorers push scored
+rollouts. And a lease belongs to the key that took it: a renewal or a given-up group under a lease
+from any other key is refused, so one generator cannot fail or extend another's work. A refusal is
+an `Error` reply naming `permission`, counted in `buffer/refused_requests`.
+
+With CURVE off (loopback, trusted) there is no identity and nothing is checked here.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+from buffer.groups import RequestError
+from buffer.protocol import (
+    BatchRequest,
+    EvalRequest,
+    GroupFailed,
+    LeaseGrant,
+    LeaseRenew,
+    LeaseRequest,
+    MetricsRequest,
+    Resume,
+    SetVersion,
+)
+from common.curve import ROLES, role_of
+
+SOCKET_ROLES = {"control": ROLES, "ingest": ("scorer",), "relay_in": ("generator",), "relay_out": ("scorer",)}
+REQUEST_ROLES = {LeaseRequest: ("generator",), LeaseRenew: ("generator",), GroupFailed: ("generator",),
+                 BatchRequest: ("learner",), SetVersion: ("learner",), Resume: ("learner",),
+                 EvalRequest: ("learner",), MetricsRequest: ROLES, "scored": ("scorer",)}
+OWNERS_KEPT = 4096  # lease owners remembered before the expired ones are forgotten
+
+
+class Gate:
+    """The checks above for one buffer; `live(lease_id)` says whether a lease is still held."""
+
+    def __init__(self, live, counters: Counter):
+        self.live = live
+        self.counters = counters
+        self.owners: dict[int, str] = {}  # lease id -> key name that took it
+
+    def check(self, request, who: str | None) -> None:
+        """Raise `RequestError` unless `who` may make `request` (a message, or "scored")."""
+        allowed = REQUEST_ROLES.get(request if isinstance(request, str) else type(request), ())
+        role = role_of(who) if who else None
+        if role not in allowed:
+            self._refuse(f"{_name(request)} is for the {' or '.join(allowed) or 'nobody'}; this peer's key is "
+                         f"{who or 'unknown'} ({role or 'no role'})")
+        lease_id = getattr(request, "lease_id", None)
+        if lease_id is not None and isinstance(request, (LeaseRenew, GroupFailed)):
+            owner = self.owners.get(lease_id)
+            if owner is not None and owner != who:
+                self._refuse(f"lease {lease_id} was granted to {owner}, not to {who}")
+
+    def granted(self, reply, who: str | None) -> None:
+        if isinstance(reply, LeaseGrant) and who:
+            self.owners[reply.lease_id] = who
+            if len(self.owners) > OWNERS_KEPT:
+                self.owners = {k: v for k, v in self.owners.items() if self.live(k)}
+
+    def _refuse(self, why: str):
+        self.counters["refused_requests"] += 1
+        raise RequestError("permission", why)
+
+
+def refused_peers(guard) -> dict:
+    """The buffer's metrics of connections CURVE turned away, by socket (a key not of the run, of a
+    role the socket is not for, or no CURVE at all); none with CURVE off (`guard` None)."""
+    if guard is None:
+        return {}
+    refused = guard.refused
+    return {"buffer/refused_peers": sum(refused[n] for n in SOCKET_ROLES),
+            **{f"buffer/refused_peers_{n}": refused[n] for n in SOCKET_ROLES}}
+
+
+def _name(request) -> str:
+    return request if isinstance(request, str) else type(request).__name__
