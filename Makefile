@@ -10,10 +10,11 @@ STAMP  := $(VENV)/.installed-$(STACK)
 TORCH_CPU_INDEX ?= https://download.pytorch.org/whl/cpu
 PYTEST_ARGS ?=
 
-.PHONY: install demo test bench clean help
+.PHONY: install demo demo-agent test bench clean help
 
 help:
 	@echo "make demo     set up (first time) and run the demo"
+	@echo "make demo-agent  the multi-turn agent demo (a guessing game; ~8 min)"
 	@echo "make test     set up (first time) and run the whole test suite"
 	@echo "make bench    run the benchmarks in bench/"
 	@echo "make install  create $(VENV)/ and install the $(STACK) stack"
@@ -37,6 +38,9 @@ endif
 
 demo: install
 	$(PY) -m launch.demo
+
+demo-agent: install
+	$(PY) -m launch.demo --demo.task guess
 
 test: install
 	$(PY) -m pytest $(PYTEST_ARGS)

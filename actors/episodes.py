@@ -128,8 +128,10 @@ async def _play(groups, prompt_ids, n, engine, sampling, cfg, factory, generate,
         if isinstance(opening, EnvFailure):
             e.failure = opening
             return
-        if opening is not None:  # the environment's own opening replaces the prompt
-            e.prompt_ids = list(tok(opening)["input_ids"])
+        if opening is not None:  # the environment's own opening replaces the prompt, encoded as a prompt is
+            from actors.generator import encode_prompt  # (here: actors.generator imports this module)
+
+            e.prompt_ids = encode_prompt(tok, opening, cfg.use_chat_template)
         role = getattr(e.env, "observation_role", "user")
         while True:
             room = limit - len(e.prompt_ids) - len(e.ids)

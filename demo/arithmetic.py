@@ -52,7 +52,29 @@ def reward_fn(prompts: list[str], completions: list[str], labels: list[str | Non
 
 def warm_start(model_dir: str | Path, out_dir: str | Path, problems: list[dict], steps: int, *,
                batch_size: int = 128, lr: float = 1e-3, seed: int = 0, log_every: int = 50) -> Path:
-    """Supervised fine-tuning on `prompt + label + "\\n"` (loss on the answer only); saves an HF folder.
+    """Supervised fine-tuning on `prompt + label + "\\n"` (loss on the answer only); saves an HF folder."""
+    examples = [[(p["prompt"], False), (p["label"] + "\n", True)] for p in problems]
+    return warm_start_segments(model_dir, out_dir, examples, steps, batch_size=batch_size, lr=lr, seed=seed,
+                               log_every=log_every)
+
+
+def encode_segments(tok, segments: list[tuple[str, bool]]) -> tuple[list[int], list[int]]:
+    """(ids, loss mask) of one example: each segment's ids, 1 where the segment is trained."""
+    ids, mask = [], []
+    for i, (text, trained) in enumerate(segments):
+        seg = tok(text, add_special_tokens=i == 0)["input_ids"]  # <s> first, as the generator encodes it
+        ids += seg
+        mask += [int(trained)] * len(seg)
+    return ids, mask
+
+
+def warm_start_segments(model_dir: str | Path, out_dir: str | Path, examples: list[list[tuple[str, bool]]],
+                        steps: int, *, batch_size: int = 128, lr: float = 1e-3, seed: int = 0,
+                        log_every: int = 50) -> Path:
+    """Supervised fine-tuning on texts made of segments `(text, trained)`, the loss on the trained
+    segments' tokens only (a multi-turn episode: the policy's turns trained, the environment's not);
+    saves an HF folder. The first segment is encoded as a prompt is (with <s>), the others without
+    special tokens, as a generator appends turns and observations.
 
     Plain PyTorch on purpose: it is a few seconds of set-up for the demo, not the SFT trainer.
     """
@@ -64,12 +86,7 @@ def warm_start(model_dir: str | Path, out_dir: str | Path, problems: list[dict],
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     model.train()
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
-    seqs, masks = [], []
-    for p in problems:
-        prompt_ids = tok(p["prompt"])["input_ids"]  # with <s>, exactly as the generator encodes it
-        answer_ids = tok(p["label"] + "\n", add_special_tokens=False)["input_ids"]
-        seqs.append(prompt_ids + answer_ids)
-        masks.append([0] * len(prompt_ids) + [1] * len(answer_ids))
+    seqs, masks = zip(*(encode_segments(tok, segments) for segments in examples))
     L = max(map(len, seqs))
     ids = torch.full((len(seqs), L), tok.pad_token_id, dtype=torch.long)  # (N, L)
     loss_mask = torch.zeros((len(seqs), L), dtype=torch.float32)  # (N, L)

@@ -14,10 +14,16 @@ Bisection finds any secret of 1-31 within 5 guesses (31 = 2**5 - 1), so a limit 
 leaves no slack for a policy that does not narrow the range. A turn that is not a number gets
 "invalid" and still counts; an episode that runs out of turns scores 0.
 
-`best_guess` is bisection (scripted policies, the supervised warm start's targets: `bisection_turns`);
-`make_problems` draws rows like `demo.arithmetic.make_problems`; `split_secrets` keeps some
-secrets out of training, so held-out success measures whether the search generalises rather
-than whether the policy memorised where the training secrets are.
+`best_guess` is bisection (scripted policies, the supervised warm start's targets: `bisection_turns`,
+`bisection_segments`); `make_problems` draws rows like `demo.arithmetic.make_problems`;
+`split_secrets` keeps some secrets out of training. A policy that searches the whole range finds
+held-out secrets; one that has learnt a search tailored to the training secrets does not (a turn
+penalty pays for tailoring: fewer guesses for the training secrets). A held-out secret that
+bisection guesses on the way to a training secret (`reachable`) is found by a policy that follows
+bisection wherever training took it; a held-out leaf of bisection's tree (guessed for no other
+secret) needs the midpoint worked out rather than recalled, which the tiny model does not learn.
+So the agent demo (`python -m launch.demo --demo.task guess`) trains on every secret and evaluates
+greedy play on each; `--demo.heldout N` holds N out and plots their success beside it.
 """
 
 from __future__ import annotations
@@ -120,3 +126,20 @@ def make_problems(n: int, seed: int, secrets: list[int] | None = None, lo: int =
         raise ValueError(f"secrets={pool!r} must be a non-empty list within {lo}-{hi}")
     rng = random.Random(seed)
     return [{"prompt": prompt_of(lo, hi), "label": str(rng.choice(pool))} for _ in range(n)]
+
+
+def bisection_segments(secret: int, lo: int = LO, hi: int = HI, max_turns: int = MAX_TURNS) -> list[tuple[str, bool]]:
+    """Bisection's episode for `secret` as `(text, trained)` segments, the prompt first: the warm
+    start's example (`demo.arithmetic.warm_start_segments`), the loss on the guesses only."""
+    segments = [(prompt_of(lo, hi), False)]
+    for guess, answer in bisection_turns(secret, lo, hi, max_turns):
+        segments += [(guess, True), (answer, False)]
+    return segments
+
+
+def reachable(held_out: list[int], train: list[int], lo: int = LO, hi: int = HI) -> list[int]:
+    """The held-out secrets that bisection guesses on the way to some training secret: the policy
+    meets their last turn's context in training. The others (bisection's leaves, found by no other
+    secret's search) are found only by a policy that computes the midpoint rather than recalls it."""
+    guessed = {int(g) for s in train for g, _ in bisection_turns(s, lo, hi)}
+    return [s for s in held_out if s in guessed]

@@ -1,17 +1,24 @@
-"""The embedded demo: `make demo` or `python -m launch.demo [--section.key VALUE ...]`.
+"""The embedded demos: `make demo` or `python -m launch.demo [--demo.task guess] [--section.key VALUE ...]`.
 
 1. builds the tiny Llama and its character tokenizer (nothing is downloaded);
-2. warm-starts it by supervised fine-tuning on two-digit addition (answer digits reversed), stopped
-   early so the policy is only partly right;
-3. runs async GRPO through `launch.local` with examples/demo.yaml: a vLLM generator, a scorer with
-   the exact-match reward, a DeepSpeed learner and weight sync, as separate processes;
-4. evaluates the policy during training, every 25 steps: the run's generator answers held-out
-   prompts (never trained on) greedily at that policy version and the scorer scores them
-   (`eval/pass@1` in the metrics: held-out greedy accuracy); and leaves in the run folder:
-   tensorboard logs, `reward.png`, HF checkpoints, the evaluation samples and `summary.json`.
+2. warm-starts it by supervised fine-tuning, stopped early so the policy is only partly right:
+   `--demo.task arithmetic` (the default, examples/demo.yaml) on two-digit addition (answer digits
+   reversed); `--demo.task guess` (examples/agent.yaml) on bisection's episodes of the guessing game
+   (demo/guess.py), the loss on the policy's guesses only, the game's answers masked;
+3. runs async GRPO through `launch.local` with the task's config: a vLLM generator (for `guess`, one
+   multi-turn episode against the environment per sample), a scorer (the exact-match reward; the
+   episode's reward), a DeepSpeed learner and weight sync, as separate processes;
+4. evaluates the policy during training, every `eval_every` steps: the run's generator answers
+   held-out problems (arithmetic) or plays one episode per secret of the range (guess; its prompt
+   names only the range, so no secret is held out unless `--demo.heldout N`: demo/guess.py says
+   why), greedily at that policy version, and the scorer scores them (`eval/pass@1` in the metrics:
+   greedy accuracy, or the fraction of secrets found); and leaves in the run folder: tensorboard
+   logs, `reward.png`, HF checkpoints, the evaluation samples and `summary.json` (with `run_s`, the
+   wall clock after the warm start, and `wall_s`, all of it).
 
-Overrides go to the run config (`--learner.total_steps 20`); `--demo.warm_steps N`,
-`--demo.heldout N`, `--demo.eval_every N` and `--demo.out DIR` set the demo's own knobs.
+Overrides go to the run config (`--learner.total_steps 20`); `--demo.task`, `--demo.warm_steps N`,
+`--demo.heldout N`, `--demo.train_prompts N`, `--demo.seed N`, `--demo.eval_every N` and
+`--demo.out DIR` set the demo's own knobs (their defaults depend on the task: TASKS).
 """
 
 from __future__ import annotations
@@ -23,12 +30,28 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 DEMO_CONFIG = ROOT / "examples" / "demo.yaml"
-DEMO_DEFAULTS = {"warm_steps": 375, "heldout": 200, "train_prompts": 3000, "seed": 0, "out": "", "eval_every": 25}
+AGENT_CONFIG = ROOT / "examples" / "agent.yaml"
+DEMO_DEFAULTS = {"task": "arithmetic", "warm_steps": 375, "heldout": 200, "train_prompts": 3000, "seed": 0, "out": "",
+                 "eval_every": 25}
+# Each task: its run config, the demo knobs it sets otherwise, and the plot's title and label.
+TASKS = {
+    "arithmetic": {"config": DEMO_CONFIG, "defaults": {},
+                   "title": "Conveyor demo: async GRPO on reversed-digit addition",
+                   "heldout_label": "held-out greedy accuracy (eval/pass@1)",
+                   "eval_set": "held-out problems, one greedy answer each"},
+    # guess: no secret held out (see demo/guess.py); a warm start of 45 steps finds about 40% of them
+    "guess": {"config": AGENT_CONFIG, "defaults": {"warm_steps": 45, "heldout": 0, "train_prompts": 8000,
+                                                   "eval_every": 20},
+              "title": "Conveyor agent demo: async GRPO on a multi-turn guessing game",
+              "heldout_label": "secrets found in 5 guesses, greedy (eval/pass@1)",
+              "eval_set": "every secret of 1-31, one greedy episode each"},
+}
 
 
 def split_demo_args(argv: list[str]) -> tuple[dict, list[str]]:
-    """`--demo.key V` pairs for the demo itself; everything else is a run-config override."""
-    demo, rest, i = dict(DEMO_DEFAULTS), [], 0
+    """`--demo.key V` pairs for the demo itself (unset keys: the task's defaults, then
+    DEMO_DEFAULTS); everything else is a run-config override."""
+    given, rest, i = {}, [], 0
     while i < len(argv):
         a = argv[i]
         if a.startswith("--demo."):
@@ -38,11 +61,76 @@ def split_demo_args(argv: list[str]) -> tuple[dict, list[str]]:
                 val = argv[i] if i < len(argv) else ""
             if key not in DEMO_DEFAULTS:
                 raise SystemExit(f"launch.demo: unknown flag --demo.{key} (known: {', '.join(DEMO_DEFAULTS)})")
-            demo[key] = type(DEMO_DEFAULTS[key])(val) if key != "out" else val
+            given[key] = type(DEMO_DEFAULTS[key])(val)
         else:
             rest.append(a)
         i += 1
-    return demo, rest
+    task = given.get("task", DEMO_DEFAULTS["task"])
+    if task not in TASKS:
+        raise SystemExit(f"launch.demo: --demo.task {task!r} is not a task (known: {', '.join(TASKS)})")
+    return {**DEMO_DEFAULTS, **TASKS[task]["defaults"], **given}, rest
+
+
+def prepare_arithmetic(demo: dict, run_dir: Path) -> tuple[Path, Path, Path, list[str]]:
+    """(warm model, training prompts, held-out prompts, []) of the arithmetic demo: every
+    evaluation prompt is held out."""
+    from demo.arithmetic import make_problems, warm_start, write_jsonl
+    from demo.tiny_model import build_tiny_model
+
+    data_dir = run_dir / "data"
+    heldout = make_problems(demo["heldout"], seed=10_000 + demo["seed"])
+    train = make_problems(demo["train_prompts"], seed=demo["seed"], exclude={p["prompt"] for p in heldout})
+    heldout_path = write_jsonl(heldout, data_dir / "heldout.jsonl")
+    prompts = write_jsonl(train, data_dir / "train.jsonl")
+    base = build_tiny_model(run_dir / "models" / "base", seed=demo["seed"])
+    print(f"[demo] warm start: {demo['warm_steps']} supervised steps on {len(train)} problems", flush=True)
+    warm = warm_start(base, run_dir / "models" / "warm", train, demo["warm_steps"], seed=demo["seed"], log_every=100)
+    return warm, prompts, heldout_path, []
+
+
+def guess_data(demo: dict, data_dir: Path) -> tuple[list[int], list[int], Path, Path]:
+    """(training secrets, held-out secrets, training prompts, evaluation prompts) of the guessing game:
+    `demo["train_prompts"]` rows of training secrets; one evaluation row per secret of the range."""
+    from demo.arithmetic import write_jsonl
+    from demo.guess import make_problems, prompt_of, split_secrets
+
+    # the same held-out secrets whatever --demo.seed: one test set for every run. The evaluation
+    # plays every secret once, the held-out ones among them (their success: `subset_points`).
+    train_secrets, held = split_secrets(demo["heldout"], seed=0)
+    eval_path = write_jsonl([{"prompt": prompt_of(), "label": str(s)} for s in sorted(train_secrets + held)],
+                            data_dir / "eval.jsonl")
+    prompts = write_jsonl(make_problems(demo["train_prompts"], demo["seed"], train_secrets), data_dir / "train.jsonl")
+    return train_secrets, held, prompts, eval_path
+
+
+def prepare_guess(demo: dict, run_dir: Path) -> tuple[Path, Path, Path, list[str]]:
+    """(warm model, training prompts, evaluation prompts, held-out labels) of the guessing game; the
+    warm start learns bisection's episodes of the training secrets (`guess_data`)."""
+    from demo.arithmetic import warm_start_segments
+    from demo.guess import bisection_segments, reachable
+    from demo.tiny_model import build_tiny_model
+
+    train_secrets, held, prompts, eval_path = guess_data(demo, run_dir / "data")
+    base = build_tiny_model(run_dir / "models" / "base", seed=demo["seed"])
+    print(f"[demo] warm start: {demo['warm_steps']} supervised steps on bisection's episodes of "
+          f"{len(train_secrets)} secrets; held out: {held or 'none'}"
+          + (f", of which bisection meets {reachable(held, train_secrets)} on the way to a training secret"
+             if held else ""), flush=True)
+    warm = warm_start_segments(base, run_dir / "models" / "warm", [bisection_segments(s) for s in train_secrets],
+                               demo["warm_steps"], batch_size=64, seed=demo["seed"], log_every=0)
+    return warm, prompts, eval_path, [str(s) for s in held]
+
+
+def subset_points(eval_dir: Path, labels: list[str]) -> list[tuple[int, float]]:
+    """(version, fraction of the evaluation samples with these labels that passed) per round written to
+    `eval_dir` (buffer/eval.py's `version_<v>.jsonl`); a sample passes when its reward is positive."""
+    points = []
+    for path in eval_dir.glob("version_*.jsonl"):
+        rows = [json.loads(line) for line in path.read_text().splitlines()]
+        mine = [r for r in rows if r.get("label") in labels and "reward" in r]
+        if mine:
+            points.append((int(path.stem.split("_")[1]), sum(r["reward"] > 0 for r in mine) / len(mine)))
+    return sorted(points)
 
 
 def checkpoint_steps(run_dir: Path) -> list[tuple[int, Path]]:
@@ -53,7 +141,8 @@ def checkpoint_steps(run_dir: Path) -> list[tuple[int, Path]]:
     return sorted(out)
 
 
-def plot(run_dir: Path, rows: list[dict], acc_points: list[tuple[int, float]]) -> Path:
+def plot(run_dir: Path, rows: list[dict], acc_points: list[tuple[int, float]], task: str = "arithmetic",
+         held_points: list[tuple[int, float]] = ()) -> Path:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -63,14 +152,15 @@ def plot(run_dir: Path, rows: list[dict], acc_points: list[tuple[int, float]]) -
     steps = [r["step"] for r in rows]
     ax.plot(steps, [r.get("reward/mean", float("nan")) for r in rows], label="reward (train batches)", alpha=0.8)
     if acc_points:
-        ax.plot([s for s, _ in acc_points], [a for _, a in acc_points], "o-",
-                label="held-out greedy accuracy (eval/pass@1)")
+        ax.plot([s for s, _ in acc_points], [a for _, a in acc_points], "o-", label=TASKS[task]["heldout_label"])
+    if held_points:
+        ax.plot([s for s, _ in held_points], [a for _, a in held_points], "s--", label="held-out secrets found, greedy")
     ax.set_xlabel("learner step (policy version)")
     ax.set_ylabel("reward / accuracy")
     ax.set_ylim(-0.02, 1.02)
     ax.grid(alpha=0.3)
     ax.legend(loc="lower right")
-    ax.set_title("Conveyor demo: async GRPO on reversed-digit addition")
+    ax.set_title(TASKS[task]["title"])
     fig.tight_layout()
     path = run_dir / "reward.png"
     fig.savefig(path, dpi=120)
@@ -107,11 +197,12 @@ def main(argv: list[str] | None = None) -> int:
     from launch.local import EXIT_CODES, read_metrics, run_local
     from launch.run_config import load_run_config
 
+    task = TASKS[demo["task"]]
     t0 = time.monotonic()
     # the run config is checked (with placeholder paths) before anything slow happens
     try:
-        probe = load_run_config(DEMO_CONFIG, [*overrides, "--learner.model_path", str(ROOT),
-                                              "--buffer.prompts", str(DEMO_CONFIG)])
+        probe = load_run_config(task["config"], [*overrides, "--learner.model_path", str(ROOT),
+                                                 "--buffer.prompts", str(task["config"])])
     except ConfigError as e:
         print(f"launch.demo: {e}", file=sys.stderr)
         return EXIT_CODES["config"]
@@ -120,26 +211,19 @@ def main(argv: list[str] | None = None) -> int:
         import shutil
 
         shutil.rmtree(run_dir)
-    data_dir = run_dir / "data"
 
-    from demo.arithmetic import make_problems, warm_start, write_jsonl
-    from demo.tiny_model import build_tiny_model, build_tokenizer
+    from demo.tiny_model import build_tokenizer
 
-    heldout = make_problems(demo["heldout"], seed=10_000 + demo["seed"])
-    train = make_problems(demo["train_prompts"], seed=demo["seed"], exclude={p["prompt"] for p in heldout})
-    heldout_path = write_jsonl(heldout, data_dir / "heldout.jsonl")
-    prompts = write_jsonl(train, data_dir / "train.jsonl")
-    base = build_tiny_model(run_dir / "models" / "base", seed=demo["seed"])
-    print(f"[demo] warm start: {demo['warm_steps']} supervised steps on {len(train)} problems", flush=True)
-    warm = warm_start(base, run_dir / "models" / "warm", train, demo["warm_steps"], seed=demo["seed"], log_every=100)
-
+    prepare = prepare_guess if demo["task"] == "guess" else prepare_arithmetic
+    warm, prompts, heldout_path, held = prepare(demo, run_dir)
+    warm_s = time.monotonic() - t0
     newline = build_tokenizer().convert_tokens_to_ids("\n")
-    run = load_run_config(DEMO_CONFIG, [*overrides, "--learner.model_path", str(warm), "--buffer.prompts",
-                                        str(prompts), "--run.run_dir", str(run_dir),
-                                        "--generator.stop_token_ids", str(newline),
-                                        # evaluation during training: greedy answers to the held-out prompts
-                                        "--eval.dataset", str(heldout_path), "--eval.every", str(demo["eval_every"]),
-                                        "--eval.n_samples_per_prompt", "1", "--eval.temperature", "0"])
+    run = load_run_config(task["config"], [*overrides, "--learner.model_path", str(warm), "--buffer.prompts",
+                                           str(prompts), "--run.run_dir", str(run_dir),
+                                           "--generator.stop_token_ids", str(newline),
+                                           # evaluation during training: greedy answers to the held-out prompts
+                                           "--eval.dataset", str(heldout_path), "--eval.every", str(demo["eval_every"]),
+                                           "--eval.n_samples_per_prompt", "1", "--eval.temperature", "0"])
     print(f"[demo] async GRPO for {run.learner.total_steps} steps: logs in {run_dir / 'logs'}", flush=True)
     code = run_local(run)
     if code != 0:
@@ -149,15 +233,22 @@ def main(argv: list[str] | None = None) -> int:
     rows = read_metrics(run_dir / "metrics.jsonl")
     acc_points = [(r["step"], r["eval/pass@1"]) for r in rows if "eval/pass@1" in r]
     for step, acc in acc_points:
-        print(f"[demo] step {step}: held-out greedy accuracy {acc:.3f}", flush=True)
+        print(f"[demo] step {step}: {task['heldout_label']} {acc:.3f}", flush=True)
     rows = [r for r in rows if "loss/policy" in r]  # (the final evaluation has a row of its own)
-    plot(run_dir, rows, acc_points)
-    summary = summarize(run_dir, rows, acc_points, time.monotonic() - t0, run.buffer.max_staleness)
+    held_points = subset_points(Path(run.eval.samples_dir or run_dir / "eval"), held) if held else []
+    plot(run_dir, rows, acc_points, demo["task"], held_points)
+    wall_s = time.monotonic() - t0
+    summary = {"task": demo["task"], "eval_set": task["eval_set"],
+               **summarize(run_dir, rows, acc_points, wall_s, run.buffer.max_staleness),
+               "warm_start_s": round(warm_s, 1), "run_s": round(wall_s - warm_s, 1)}
+    if held:
+        summary.update(heldout_labels=held, heldout_subset={str(v): a for v, a in held_points})
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     print(json.dumps(summary, indent=2))
-    print(f"[demo] done in {summary['wall_s']:.0f}s: reward {summary['reward_first']:.3f} -> "
-          f"{summary['reward_last']:.3f}, held-out accuracy {summary['heldout_acc_start']:.3f} -> "
-          f"{summary['heldout_acc_end']:.3f}; plot: {run_dir / 'reward.png'}", flush=True)
+    print(f"[demo] done in {summary['wall_s']:.0f}s ({summary['run_s']:.0f}s after the warm start): reward "
+          f"{summary['reward_first']:.3f} -> {summary['reward_last']:.3f}, {task['heldout_label']} "
+          f"{summary['heldout_acc_start']:.3f} -> {summary['heldout_acc_end']:.3f}; plot: {run_dir / 'reward.png'}",
+          flush=True)
     return 0
 
 
