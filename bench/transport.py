@@ -1,9 +1,9 @@
 """Throughput of scored rollouts through a real replay buffer, against a bare ZeroMQ pipe.
 
     python bench/transport.py [--n 20000] [--warmup 2048] [--tokens 1024] [--group 8] [--per-step 32]
-                              [--only-buffer] [--profile-buffer PATH]
+                              [--only-buffer] [--no-curve] [--profile-buffer PATH]
 
-Three runs, each with a producer and a consumer process (multiprocessing, spawn start method):
+Four runs, each with a producer and a consumer process (multiprocessing, spawn start method):
 
   buffer  producer -> buffer (`python -m launch.buffer`, a process of its own, ready when it writes
           its ready file) -> consumer.
@@ -15,6 +15,9 @@ Three runs, each with a producer and a consumer process (multiprocessing, spawn 
           for the bench: admission control (max_staleness 16, so it bounds memory rather than
           throttling), lease checks, per-rollout validation, group completion and batch assembly
           all run as in training.
+  curve   the buffer path again with CurveZMQ on every socket (a run's keys in a temporary
+          folder; the producer leases as a generator and pushes as a scorer, the consumer is the
+          learner): `curve_ratio` is its throughput over the plain buffer path's.
   raw     the same producer code sends the same frames (same sizes, same envelope) over a bare
           PUSH/PULL pair, and the consumer receives each message as `BufferClient` receives a
           reply (`common.channel.recv_frames`) and decodes it with `protocol.decode`, as
@@ -133,16 +136,28 @@ class Meter:
         self.out.put(("result", (got - self.at) / (time.perf_counter() - self.t0), got - self.at))
 
 
+def identity(name: str) -> dict:
+    """CURVE options for a socket of key `name` when the run has keys (the `--curve` row), else {}."""
+    from common import curve
+
+    if not os.environ.get(curve.KEYS_ENV):
+        return {}
+    os.environ[curve.NAME_ENV] = name
+    return curve.client_options(name)
+
+
 def produce_buffer(port: int, tokens: int, group: int, per_step: int, groups: int, out) -> None:
     import zmq
 
     from buffer.config import endpoints
     from buffer.protocol import LeaseGrant
+    from common.curve import apply
 
     fab = Fabricator(tokens)
     cpu0 = time.process_time()
+    identity("gen-bench")  # it leases as a generator would ...
     client = BufferClient(port=port, timeout_s=30)
-    push = zmq.Context.instance().socket(zmq.PUSH)
+    push = apply(zmq.Context.instance().socket(zmq.PUSH), identity("scorer"))  # ... and pushes as a scorer
     push.setsockopt(zmq.SNDHWM, 1000)
     push.setsockopt(zmq.LINGER, 10000)
     push.connect(endpoints("127.0.0.1", port)["ingest"])
@@ -168,6 +183,7 @@ def produce_buffer(port: int, tokens: int, group: int, per_step: int, groups: in
 
 
 def consume_buffer(port: int, total: int, warmup: int, out) -> None:
+    identity("learner")
     client = BufferClient(port=port, timeout_s=60)
     meter = Meter(warmup, out)
     cpu0 = time.process_time()
@@ -255,19 +271,28 @@ def collect(name: str, out, procs: list, total: int, stall_s: float = 60.0) -> t
     return result[0], result[1], cpu
 
 
-def run_buffer(args, ctx) -> tuple[float, int, dict]:
+def run_buffer(args, ctx, curve: bool = False) -> tuple[float, int, dict]:
+    """The buffer path; with `curve`, every socket speaks CurveZMQ with a run's keys."""
     groups = -(-(args.n + args.warmup) // args.group)
     groups = -(-groups // args.per_step) * args.per_step  # whole steps
     total = groups * args.group
     port = free_base_port(4)
     with tempfile.TemporaryDirectory() as tmp:
+        from common.curve import KEYS_ENV, NAME_ENV, make_keys
+
+        os.environ.pop(NAME_ENV, None)
+        if curve:  # (the processes started below inherit the folder)
+            os.environ[KEYS_ENV] = str(make_keys(Path(tmp) / "keys"))
+        else:
+            os.environ.pop(KEYS_ENV, None)
         prompts = Path(tmp) / "prompts.jsonl"
         prompts.write_text("".join(json.dumps({"prompt": f"{k // 10} + {k % 10}", "label": str(k)}) + "\n"
                                    for k in range(groups)))
         prof = ["-m", "cProfile", "-o", args.profile_buffer] if args.profile_buffer else []
         cmd = [sys.executable, *prof, "-m", "launch.buffer", "--buffer.port", str(port),
                "--buffer.prompts", str(prompts), "--buffer.prompts_per_step", str(args.per_step), "--buffer.n_samples_per_prompt", str(args.group),
-               "--buffer.max_staleness", "16", "--buffer.log_level", "warning"]
+               "--buffer.max_staleness", "16", "--buffer.log_level", "warning",
+               "--buffer.curve", "on" if curve else "off"]
         ready = Path(tmp) / "ready.json"
         buf = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL,
                                env={**os.environ, "PYTHONPATH": str(ROOT), READY_ENV: str(ready)})
@@ -288,12 +313,15 @@ def run_buffer(args, ctx) -> tuple[float, int, dict]:
             # the buffer's Python loop runs on its main thread; libzmq moves the bytes on its own threads
             cpu["buffer"] = cpu_seconds(buf.pid) - buffer_cpu0[0]
             cpu["buffer_loop"] = cpu_seconds(buf.pid, buf.pid) - buffer_cpu0[1]
+            identity("admin")
             with BufferClient(port=port, timeout_s=10) as c:
                 requests = c.metrics()["buffer/requests"]
             say(f"buffer path: {requests / total:.3f} control requests per rollout")
         finally:
             buf.terminate()
             buf.wait(10)
+            os.environ.pop(KEYS_ENV, None)
+            os.environ.pop(NAME_ENV, None)
     return rate, n, {k: 1e6 * v / total for k, v in cpu.items()}
 
 
@@ -322,6 +350,7 @@ def main(argv=None) -> None:
     p.add_argument("--profile-buffer", metavar="PATH", default="",
                    help="run the buffer under cProfile, stats to PATH (read with python -m pstats)")
     p.add_argument("--only-buffer", action="store_true", help="skip the bare PUSH/PULL runs")
+    p.add_argument("--no-curve", action="store_true", help="skip the buffer path with CurveZMQ on")
     args = p.parse_args(argv)
     ctx = mp.get_context("spawn")
 
@@ -329,6 +358,11 @@ def main(argv=None) -> None:
         f"{args.per_step} groups per batch")
     rate, n, cpu = run_buffer(args, ctx)
     say(f"buffer path: {rate:,.0f} rollouts/s; CPU us per rollout: {_fmt(cpu)}")
+    curve_rate, curve_cpu = float("nan"), {}
+    if not args.no_curve:
+        curve_rate, _, curve_cpu = run_buffer(args, ctx, curve=True)
+        say(f"buffer path, CurveZMQ: {curve_rate:,.0f} rollouts/s ({curve_rate / rate:.2f}x without); "
+            f"CPU us per rollout: {_fmt(curve_cpu)}")
     if args.only_buffer:
         return
     raw, _, raw_cpu = run_raw(args, ctx, decode_items=True)
@@ -340,7 +374,10 @@ def main(argv=None) -> None:
                       "raw_recv_only_rollouts_per_s": round(recv_only),
                       "ratio_to_recv_only": round(rate / recv_only, 3),
                       "cpu_ratio": round(_total(raw_cpu) / _total(cpu), 3),
-                      "cpu_us_per_rollout": {"buffer_path": _round(cpu), "raw": _round(raw_cpu),
+                      "curve_rollouts_per_s": round(curve_rate) if curve_cpu else None,
+                      "curve_ratio": round(curve_rate / rate, 3) if curve_cpu else None,
+                      "cpu_us_per_rollout": {"buffer_path": _round(cpu), "buffer_path_curve": _round(curve_cpu),
+                                             "raw": _round(raw_cpu),
                                              "raw_recv_only": _round(recv_cpu)},
                       "load_avg_1m": os.getloadavg()[0]}))
 
