@@ -4,9 +4,10 @@ With CURVE on, a peer gets a connection only with one of the run's keys whose ro
 socket (`SOCKET_ROLES`), and every request it sends carries its key's name. Then each request must
 come from a role that makes it (`REQUEST_ROLES`): only the learner's ranks fetch batches, set the
 version, resume or ask for an evaluation round; only generators lease; only scorers push scored
-rollouts. And a lease belongs to the key that took it: a renewal or a given-up group under a lease
-from any other key is refused, so one generator cannot fail or extend another's work. A refusal is
-an `Error` reply naming `permission`, counted in `buffer/refused_requests`.
+rollouts. And a lease belongs to the key that took it: a renewal, a given-up group or a relayed
+rollout under a lease from any other key is refused, so one generator cannot fail, extend or answer
+another's work. A refused request gets an `Error` reply naming `permission` (a relayed message is
+dropped), counted in `buffer/refused_requests`.
 
 With CURVE off (loopback, trusted) there is no identity and nothing is checked here.
 """
@@ -14,6 +15,8 @@ With CURVE off (loopback, trusted) there is no identity and nothing is checked h
 from __future__ import annotations
 
 from collections import Counter
+
+import msgspec
 
 from buffer.groups import RequestError
 from buffer.protocol import (
@@ -36,6 +39,15 @@ REQUEST_ROLES = {LeaseRequest: ("generator",), LeaseRenew: ("generator",), Group
 OWNERS_KEPT = 4096  # lease owners remembered before the expired ones are forgotten
 
 
+class _LeaseOf(msgspec.Struct):
+    """The one field of a relayed rollout the check reads (the rest is the scorer's to check)."""
+
+    lease_id: int = -1
+
+
+_LEASE_OF = msgspec.msgpack.Decoder(_LeaseOf)
+
+
 class Gate:
     """The checks above for one buffer; `live(lease_id)` says whether a lease is still held."""
 
@@ -56,6 +68,19 @@ class Gate:
             owner = self.owners.get(lease_id)
             if owner is not None and owner != who:
                 self._refuse(f"lease {lease_id} was granted to {owner}, not to {who}")
+
+    def check_relay(self, frames, who: str | None) -> None:
+        """Raise `RequestError` unless every rollout of a relayed `rollouts` message (its frames
+        after the envelope) answers a lease granted to `who`: a generator pushes its own work only.
+        A lease granted before the buffer restarted has no recorded owner and passes."""
+        for i, f in enumerate(frames[1:]):
+            try:
+                lease_id = _LEASE_OF.decode(f).lease_id
+            except (msgspec.DecodeError, RecursionError, ValueError):
+                self._refuse(f"rollouts[{i}] cannot be read")
+            owner = self.owners.get(lease_id)
+            if owner is not None and owner != who:
+                self._refuse(f"rollouts[{i}] answers lease {lease_id}, granted to {owner}, not to {who}")
 
     def granted(self, reply, who: str | None) -> None:
         if isinstance(reply, LeaseGrant) and who:

@@ -437,8 +437,13 @@ class BufferService:
                     kind, _ = decode_envelope(frames, self.limits)
                     if kind != "rollouts":
                         raise ProtocolError("envelope.type", f"the relay takes `rollouts` messages, got {short(kind)}")
+                    if self.gate:
+                        self.gate.check_relay(frames, Guard.who(frames[-1]))
                 except ProtocolError as e:
                     self._malformed("relay", e)
+                    continue
+                except RequestError as e:
+                    self.warnings.warn("relay_refused", "relayed rollouts dropped: %s", e.message)
                     continue
                 self._relay_pending = frames
             try:

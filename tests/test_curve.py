@@ -95,10 +95,19 @@ def test_buffer_with_curve_admits_the_runs_keys_and_each_role_its_own_requests(k
         learner = client_as(monkeypatch, keys, "learner", buf.port)
         assert learner.set_version(0).accepted == 1
 
+        # raw rollouts under gen-0's lease: relayed to the scorer from gen-0 only
+        own = [scored(g.group_id, i, grant.lease_id).rollout for g in grant.groups for i in range(2)]
+        gen1.push_rollouts([scored(g.group_id, 0, grant.lease_id).rollout for g in grant.groups])
+        gen0.push_rollouts(own)
+        got, deadline = [], time.monotonic() + 5
+        while len(got) < len(own) and time.monotonic() < deadline:
+            got += scorer.pull_rollouts(timeout_s=0.5)
+        assert len(got) == len(own) and scorer.pull_rollouts(timeout_s=0.5) == []
+
         time.sleep(0.5)
         m = client_as(monkeypatch, keys, "admin", buf.port).metrics()
         assert m["buffer/accepted_rollouts"] == 0  # nothing of the stranger's reached the buffer
-        assert m["buffer/refused_requests"] == 3
+        assert m["buffer/refused_requests"] == 4
         assert m["buffer/refused_peers_control"] >= 2 and m["buffer/refused_peers_ingest"] >= 1
         # the scorer, with the run's key, is heard on ingest
         scorer.push_scored([scored(g.group_id, i, grant.lease_id) for g in grant.groups for i in range(2)])
