@@ -483,7 +483,7 @@ def run_generator(cfg: GeneratorConfig, stop: threading.Event | None = None) -> 
 def _mark_counts(worker_id: str, version: int, c: Counters, final: bool = False) -> None:
     """What this generator has done so far, in its ready record (its launcher's status shows it)."""
     mark_ready("generator", worker_id=worker_id, version=version, leases=c.leases, groups=c.groups,
-               samples=c.samples, tokens=c.tokens, final=final)
+               samples=c.samples, tokens=c.tokens, episodes=dict(c.env), final=final)
 
 
 def _log_throughput(c: Counters, prev: Counters, dt: float, keeper: LeaseKeeper, version: int,

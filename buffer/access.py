@@ -30,7 +30,7 @@ from buffer.protocol import (
     Resume,
     SetVersion,
 )
-from common.curve import ROLES, role_of
+from common.curve import ROLES, role_refusal
 
 SOCKET_ROLES = {"control": ROLES, "ingest": ("scorer",), "relay_in": ("generator",), "relay_out": ("scorer",)}
 REQUEST_ROLES = {LeaseRequest: ("generator",), LeaseRenew: ("generator",), GroupFailed: ("generator",),
@@ -58,11 +58,10 @@ class Gate:
 
     def check(self, request, who: str | None) -> None:
         """Raise `RequestError` unless `who` may make `request` (a message, or "scored")."""
-        allowed = REQUEST_ROLES.get(request if isinstance(request, str) else type(request), ())
-        role = role_of(who) if who else None
-        if role not in allowed:
-            self._refuse(f"{_name(request)} is for the {' or '.join(allowed) or 'nobody'}; this peer's key is "
-                         f"{who or 'unknown'} ({role or 'no role'})")
+        kind = request if isinstance(request, str) else type(request)
+        why = role_refusal(_name(request), who, REQUEST_ROLES.get(kind, ()))
+        if why:
+            self._refuse(why)
         lease_id = getattr(request, "lease_id", None)
         if lease_id is not None and isinstance(request, (LeaseRenew, GroupFailed)):
             owner = self.owners.get(lease_id)

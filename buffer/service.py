@@ -308,9 +308,9 @@ class BufferService:
         (None: CURVE is off, nothing to check)."""
         now = time.monotonic()
         kind, _ = decode_envelope(body, self.limits)
-        if self.gate and kind == "scored":
-            self.gate.check(kind, who)
         if kind == "scored":
+            if self.gate:
+                self.gate.check(kind, who)
             accepted, rejected = self.take_scored(body[1:])
             return encode(Ack(accepted, rejected, f"{accepted} accepted, {rejected} refused (late or duplicate)"))
         if kind in NOT_REQUESTS:

@@ -98,6 +98,16 @@ def role_of(name: str) -> str | None:
     return None
 
 
+def role_refusal(request: str, who: str | None, allowed: tuple[str, ...]) -> str:
+    """Why the key named `who` may not make `request` (a message's name), whose roles are `allowed`;
+    "" when it may. The one rule both services apply to each request when CURVE is on."""
+    role = role_of(who) if who else None
+    if role in allowed:
+        return ""
+    return (f"{request} is for the {' or '.join(allowed) or 'nobody'}; this peer's key is {who or 'unknown'} "
+            f"({role or 'no role'})")
+
+
 def read_key(path: Path) -> bytes:
     key = path.read_bytes().strip()
     if len(key) != 40:

@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 
 from buffer.client import BufferClient, BufferDone
+from common.ready import ENV as READY_ENV
 from tests.conftest import ROOT, subprocess_env
 from tests.test_scorer import ARITHMETIC, start_buffer, stop
 
@@ -27,13 +28,14 @@ LONG = {"prompt": "0123456789" * 6 + "1+2=", "label": "3"}  # 64 tokens
 
 
 def start_role(tmp_path: Path, role: str, name: str, port: int, **cfg) -> tuple[subprocess.Popen, Path]:
-    """`python -m launch.<role>` with `--<role>.key value` flags; stderr goes to <name>.log."""
+    """`python -m launch.<role>` with `--<role>.key value` flags; stderr goes to <name>.log, its
+    ready record (common/ready.py) to <name>.ready.json."""
     args = [sys.executable, "-m", f"launch.{role}", f"--{role}.buffer_port", str(port)]
     for k, v in cfg.items():
         args += [f"--{role}.{k}", str(v)]
     log = tmp_path / f"{name}.log"
-    proc = subprocess.Popen(args, cwd=ROOT, env=subprocess_env(), stdout=subprocess.DEVNULL,
-                            stderr=open(log, "w"))
+    env = {**subprocess_env(), READY_ENV: str(tmp_path / f"{name}.ready.json")}
+    proc = subprocess.Popen(args, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=open(log, "w"))
     return proc, log
 
 

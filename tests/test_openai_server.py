@@ -142,6 +142,7 @@ def test_a_generator_with_an_openai_agent_pushes_its_sessions_as_rollouts(tmp_pa
     import numpy as np
 
     from buffer.client import BufferClient
+    from common.ready import read_ready
     from demo.guess import make_problems
     from tests.test_generator_live import start_role, wait_exit
     from tests.test_scorer import start_buffer, stop
@@ -164,8 +165,9 @@ def test_a_generator_with_an_openai_agent_pushes_its_sessions_as_rollouts(tmp_pa
             assert r.action_mask is not None and r.action_mask[0] == 1 and (0 in r.action_mask or r.env_reward == 1)
             assert np.all(r.behav_logprobs[r.action_mask == 0] == 0) and (r.env_reward == 0 or 0.79 < r.env_reward <= 1)
             assert s.scores["env"] == r.env_reward
-        log = gen_log.read_text()
-        assert "sessions_opened=8" in log and "sessions_completed=8" in log, log[-3000:]
+        record = read_ready(tmp_path / "generator.ready.json")  # the generator's last word, as it exited
+        assert record["final"] and record["episodes"]["sessions_opened"] == 8, record
+        assert record["episodes"]["sessions_completed"] == 8, record
     finally:
         client.close()
         for p in (gen, scorer, buffer):

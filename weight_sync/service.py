@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 import msgspec
 import zmq
 
-from common.curve import role_of
+from common.curve import ROLES, role_of, role_refusal
 from common.guards import MemoryGuard, WarnLimiter
 from common.ready import mark_ready
 from common.zap import Guard, server_guard
@@ -66,9 +66,8 @@ from weight_sync.messages import (
 log = logging.getLogger("conveyor.weight_sync.service")
 # With CurveZMQ on (common/curve.py), what each role may ask; a generator's requests must also
 # carry its own key's name as worker_id, so one generator cannot act for another.
-REQUEST_ROLES = {Register: "generator", Poll: "generator", Done: "generator", Unregister: "generator",
-                 Ready: "learner", PendingRequest: "learner", RoundResult: "learner",
-                 StatusRequest: ("learner", "generator", "scorer", "admin")}
+REQUEST_ROLES = {Register: ("generator",), Poll: ("generator",), Done: ("generator",), Unregister: ("generator",),
+                 Ready: ("learner",), PendingRequest: ("learner",), RoundResult: ("learner",), StatusRequest: ROLES}
 
 
 @dataclass
@@ -424,12 +423,8 @@ class WeightSyncService:
 
     def _refusal(self, msg, who: str | None) -> Error | None:
         """Why the key named `who` may not make request `msg` (CURVE on), or None."""
-        allowed = REQUEST_ROLES.get(type(msg), ())
-        role = role_of(who) if who else None
-        why = ""
-        if role not in ((allowed,) if isinstance(allowed, str) else allowed):
-            why = f"{type(msg).__name__} is not for this peer's key ({who or 'unknown'}, role {role or 'none'})"
-        elif role == "generator" and getattr(msg, "worker_id", who) != who:
+        why = role_refusal(type(msg).__name__, who, REQUEST_ROLES.get(type(msg), ()))
+        if not why and role_of(who) == "generator" and getattr(msg, "worker_id", who) != who:
             why = f"{type(msg).__name__} for {getattr(msg, 'worker_id')!r} from the key of {who}"
         if not why:
             return None
