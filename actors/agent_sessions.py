@@ -25,8 +25,9 @@ A session's context is token ids, never a re-tokenisation of the text so far:
   and versions). Requests of every session of the lease share the engine's batches (`Batcher`).
 
 Sampling is the generator's (temperature, top-p, top-k, stop tokens; an evaluation lease's
-temperature), whatever a request asks; only `max_tokens` is honoured, capped at
-`generator.max_new_tokens`. Limits as for episodes: `generator.max_turns` requests per session and
+temperature), whatever a request asks; `max_tokens` is honoured, capped at
+`generator.max_new_tokens`, and `stop` strings end a turn (`answer_text`: the answer leaves the
+stop string out; the session's ids keep every token sampled). Limits as for episodes: `generator.max_turns` requests per session and
 `generator.max_context_tokens` in all; a request past one is answered 400 and the session ends
 truncated (finish_reason `length`; it still takes its reward).
 
@@ -308,7 +309,8 @@ class Sessions:
         except BadReturn as e:
             raise RequestError(400, f"session {sid}: {e}") from None
 
-    async def chat(self, sid: str, messages, tools, max_tokens: int | None) -> tuple[Session, Completion, dict, int]:
+    async def chat(self, sid: str, messages, tools, max_tokens: int | None,
+                   stop: list[str] = ()) -> tuple[Session, Completion, dict, int]:
         """Sample the next assistant turn: (session, completion, the message returned, prompt tokens)."""
         s = self._begin(sid)
         try:
@@ -335,14 +337,15 @@ class Sessions:
                 eos = lease.tokenizer.eos_token_id
                 if _chat_template(lease.tokenizer, lease.cfg.use_chat_template) and s.episode.ids[-1:] != [eos]:
                     new = [eos] + new  # the turn was cut short: end it as the template renders it
-            c, prompt_tokens = await self._sample(s, new, text, max_tokens)
-            message = assistant_message(c.text, s.tools)
+            c, prompt_tokens = await self._sample(s, new, text, max_tokens, stop)
+            message = assistant_message(answer_text(c), s.tools)
             s.history = messages + [message]
             return s, c, message, prompt_tokens
         finally:
             s.busy = False
 
-    async def complete(self, sid: str, prompt: str, max_tokens: int | None) -> tuple[Session, Completion, int]:
+    async def complete(self, sid: str, prompt: str, max_tokens: int | None,
+                       stop: list[str] = ()) -> tuple[Session, Completion, int]:
         """Sample a continuation of `prompt`: (session, completion, prompt tokens)."""
         s = self._begin(sid)
         try:
@@ -356,8 +359,8 @@ class Sessions:
             else:
                 text = prompt[len(s.text):]
                 new = list(s.lease.tokenizer.encode(text, add_special_tokens=False)) if text else []
-            c, prompt_tokens = await self._sample(s, new, text, max_tokens)
-            s.text = prompt + c.text
+            c, prompt_tokens = await self._sample(s, new, text, max_tokens, stop)
+            s.text = prompt + answer_text(c)
             return s, c, prompt_tokens
         finally:
             s.busy = False
@@ -379,7 +382,8 @@ class Sessions:
             ids = ids[-cfg.prompt_max_len:]  # (as the generator truncates prompts: the tail holds the question)
         s.episode.prompt_ids = ids
 
-    async def _sample(self, s: Session, new: list[int], text: str, max_tokens: int | None) -> tuple[Completion, int]:
+    async def _sample(self, s: Session, new: list[int], text: str, max_tokens: int | None,
+                      stop: list[str]) -> tuple[Completion, int]:
         e, lease = s.episode, s.lease
         limit = context_limit(lease.cfg)
         if e.turns >= lease.cfg.max_turns or len(e.prompt_ids) + len(e.ids) + len(new) >= limit:
@@ -394,7 +398,8 @@ class Sessions:
         room = limit - len(e.prompt_ids) - len(e.ids)
         cap = min(lease.sampling.max_tokens, room, max_tokens or lease.sampling.max_tokens)
         context = e.prompt_ids + e.ids
-        turn = asyncio.ensure_future(lease.batcher.sample(context, replace(lease.sampling, max_tokens=max(1, cap))))
+        sampling = replace(lease.sampling, max_tokens=max(1, cap), stop=[*lease.sampling.stop, *stop])
+        turn = asyncio.ensure_future(lease.batcher.sample(context, sampling))
         lease.turns.add(turn)
         turn.add_done_callback(lease.turns.discard)
         # A session that closes meanwhile (expired) answers at once; its turn is left to its batch.
@@ -419,3 +424,9 @@ class Sessions:
         self._fail(s, "bad_request", why)
         raise RequestError(400, f"session {s.id}: {why}; the session is failed")
 
+
+def answer_text(c: Completion) -> str:
+    """A turn's text as the agent gets it: without the stop string that ended it (OpenAI's `stop`)."""
+    if isinstance(c.stop_reason, str) and c.text.endswith(c.stop_reason):
+        return c.text[:len(c.text) - len(c.stop_reason)]
+    return c.text

@@ -38,6 +38,10 @@ class Sampling:
     top_k: int = 0
     max_tokens: int = 128
     stop_token_ids: list[int] = field(default_factory=list)  # besides the tokenizer's eos
+    # Strings that end a completion once its text contains one: the token that completes it is the
+    # last one kept (so ids stay exactly as sampled), and the text ends with it (vLLM's `stop` with
+    # `include_stop_str_in_output`; nothing after it, even within that token, is in `text`).
+    stop: list[str] = field(default_factory=list)
     seed: int | None = None  # per-call seed (reproducible samples); None: the engine's stream
 
 
@@ -47,12 +51,13 @@ class Completion:
 
     token_ids: list[int]
     logprobs: list[float]  # (T,) log mu of each sampled token
-    finish_reason: str  # "stop" (eos or a stop token, which is kept) | "length"
+    finish_reason: str  # "stop" (eos, a stop token or a stop string, which are kept) | "length"
     text: str
     # (T,) policy version of the weights that sampled each token, from an engine whose weights can
     # change mid-completion (AsyncVLLMEngine); None: every token has the engine's version at the
     # start of the batch
     versions: list[int] | None = None
+    stop_reason: int | str | None = None  # the stop token id or stop string that ended it; None: eos or length
 
 
 class Engine(ABC):

@@ -11,6 +11,10 @@ observation, never a re-tokenisation of the text so far. The rollout's completio
 the prompt; `action_mask` says which the policy sampled (1) and which the environment added (0,
 behaviour log-prob 0, the version of the policy's turn before them).
 
+A turn ends at the tokenizer's eos, a stop token, or a stop string of the environment's (`env.stop`,
+e.g. `</calc>` of the tools' tags format, kept in the turn); with a chat template, a turn that did
+not end with the template's end-of-turn token gets it appended as the environment's.
+
 Limits: `generator.max_turns` policy turns, `generator.max_new_tokens` per turn, and
 `generator.max_context_tokens` in all (prompt and completion; 0: prompt_max_len + max_turns x
 max_new_tokens); an episode that reaches one ends with finish_reason `length` (counted as
@@ -69,6 +73,16 @@ def context_limit(cfg) -> int:
     return cfg.max_context_tokens or cfg.prompt_max_len + cfg.max_turns * cfg.max_new_tokens
 
 
+def close_turn(tokenizer, turn_ids: list[int], role: str | None, use_chat_template: bool) -> list[int]:
+    """The end-of-turn id a chat template writes after an assistant message, when the policy's turn
+    did not sample it (a stop string, or the token limit, ended the turn): appended as the
+    environment's (masked), so the context stays the conversation's ids. [] without a template."""
+    if role is None or not use_chat_template or not getattr(tokenizer, "chat_template", None):
+        return []
+    eot = tokenizer.convert_tokens_to_ids(tokenizer.eos_token)
+    return [] if turn_ids and turn_ids[-1] == eot else [eot]
+
+
 def run_episodes(groups: list[PromptGroup], prompt_ids: list[list[int]], n: int, engine: Engine,
                  sampling: Sampling, cfg, factory, generate, counts: Counter) -> dict[int, list[Episode]]:
     """Every episode of the lease's groups (n per prompt), played to its end: {group_id: episodes}.
@@ -104,7 +118,7 @@ class Batcher:
             by_sampling: dict[tuple, list] = {}
             for item in batch:
                 s = item[1]
-                by_sampling.setdefault((s.max_tokens, s.temperature, s.top_p, s.top_k), []).append(item)
+                by_sampling.setdefault((s.max_tokens, s.temperature, s.top_p, s.top_k, tuple(s.stop)), []).append(item)
             for items in by_sampling.values():
                 try:
                     out = await loop.run_in_executor(None, self.generate, [c for c, _, _ in items], items[0][1])
@@ -133,10 +147,10 @@ async def _play(groups, prompt_ids, n, engine, sampling, cfg, factory, generate,
 
             e.prompt_ids = encode_prompt(tok, opening, cfg.use_chat_template)
         role = getattr(e.env, "observation_role", "user")
+        turn = replace(sampling, stop=[*sampling.stop, *getattr(e.env, "stop", ())])
         while True:
             room = limit - len(e.prompt_ids) - len(e.ids)
-            c = await batcher.sample(e.prompt_ids + e.ids, replace(sampling, max_tokens=max(1, min(sampling.max_tokens,
-                                                                                                   room))))
+            c = await batcher.sample(e.prompt_ids + e.ids, replace(turn, max_tokens=max(1, min(turn.max_tokens, room))))
             e.add(c.token_ids, 1, c.logprobs,
                   c.versions if c.versions is not None else [engine.version] * len(c.token_ids), c.text)
             e.turns += 1
@@ -148,7 +162,8 @@ async def _play(groups, prompt_ids, n, engine, sampling, cfg, factory, generate,
             if res.done:
                 e.finish = "stop"
                 return
-            obs = encode_observation(tok, res.observation, role, use_chat_template=cfg.use_chat_template)
+            obs = close_turn(tok, c.token_ids, role, cfg.use_chat_template)
+            obs += encode_observation(tok, res.observation, role, use_chat_template=cfg.use_chat_template)
             if e.turns >= cfg.max_turns or len(e.prompt_ids) + len(e.ids) + len(obs) >= limit:
                 e.finish = "length"  # a turn limit or the context limit: truncated, as a long completion is
                 counts["episodes_truncated"] += 1

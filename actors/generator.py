@@ -52,11 +52,12 @@ log = logging.getLogger("conveyor.generator")
 # prompts
 
 
-def encode_prompt(tokenizer, text: str, use_chat_template: bool, messages=None) -> list[int]:
+def encode_prompt(tokenizer, text: str, use_chat_template: bool, messages=None, tools=None) -> list[int]:
     """Token ids of one prompt, its chat `messages` (ChatMessage) when it has them, else `text` as
     one user message, rendered by the tokenizer's chat template when it has one and
-    use_chat_template is on. Without a template, the texts as the offline trainers' loaders encode
-    them: the first with the tokenizer's specials (bos), the others after it without."""
+    use_chat_template is on (with `tools`, JSON schemas, as the template's `tools=`). Without a
+    template, the texts as the offline trainers' loaders encode them: the first with the
+    tokenizer's specials (bos), the others after it without."""
     chat = ([{"role": "user", "content": text}] if messages is None
             else [{"role": m.role, "content": m.content} for m in messages])
     if not chat:
@@ -64,7 +65,7 @@ def encode_prompt(tokenizer, text: str, use_chat_template: bool, messages=None) 
     if use_chat_template and getattr(tokenizer, "chat_template", None):
         # The template writes the special tokens itself (bos and the like); the ids are the ones
         # it gives (the offline loaders tokenize the same rendered text without specials).
-        return list(tokenizer.apply_chat_template(chat, add_generation_prompt=True, return_dict=False))
+        return list(tokenizer.apply_chat_template(chat, tools=tools, add_generation_prompt=True, return_dict=False))
     ids = list(tokenizer.encode(chat[0]["content"]))
     for m in chat[1:]:
         ids.extend(tokenizer.encode(m["content"], add_special_tokens=False))
@@ -274,8 +275,9 @@ def make_rollouts(grant: LeaseGrant, cfg: GeneratorConfig, engine: Engine, sampl
     with an environment `factory`, one multi-turn episode per sample (actors/episodes.py); with
     `agents` (an `actors.openai_server.AgentServer`), one agent session per sample."""
     groups, prompt_ids = [], []
+    tools = getattr(factory, "chat_tools", None)  # (a tools environment's schemas, for the template)
     for g in grant.groups:
-        ids = encode_prompt(engine.tokenizer, g.prompt, cfg.use_chat_template, g.messages)
+        ids = encode_prompt(engine.tokenizer, g.prompt, cfg.use_chat_template, g.messages, tools)
         fitted, why = fit_prompt(ids, cfg)
         if fitted is None:
             counts.refused += 1

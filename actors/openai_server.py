@@ -16,9 +16,11 @@ says what a session records and when it fails). Answers follow the OpenAI schema
 created, model, choices, usage; `logprobs` when asked: the behaviour log-probs) closely enough
 for the `openai` client; errors are `{"error": {"message", "type", "code"}}` with status 400 (a
 request that cannot be served, or does not extend its session), 404 (no such open session) or 409
-(a closed session, or a second request while one is served). `stream`, `n` > 1, `stop`,
-`temperature` and `top_p` are the generator's to set: `stream` and `n` > 1 are refused, the others
-ignored.
+(a closed session, or a second request while one is served). `stop` (a string or up to 4) ends a
+turn as OpenAI's does: the answer's text leaves the stop string out, while the session keeps every
+id sampled, the one that completed it included. `stream` and `n` > 1 are refused; `temperature`,
+`top_p` and the like are ignored: the behaviour distribution is the run's (the generator's
+sampling settings), which the learner's objective is built around.
 
 One event loop, in a thread of its own, runs everything of the agent path: uvicorn's server, the
 sessions, the agents' coroutines and the lease's engine batches (`actors.episodes.Batcher`, whose
@@ -40,9 +42,10 @@ from typing import Callable
 from fastapi import FastAPI, Request  # (module level: FastAPI reads the handlers' annotations from here)
 from fastapi.responses import JSONResponse
 
-from actors.agent_sessions import RequestError, Sessions
+from actors.agent_sessions import RequestError, Sessions, answer_text
 
 log = logging.getLogger("conveyor.generator")
+MAX_STOP, MAX_STOP_CHARS = 4, 256  # a request's stop strings
 
 
 class AgentServer:
@@ -167,7 +170,8 @@ class AgentServer:
         if "messages" not in req:
             raise RequestError(400, "a chat request needs messages")
         s, c, message, prompt_tokens = await self.sessions.chat(
-            sid, req["messages"], req.get("tools") or None, _max_tokens(req, "max_completion_tokens", "max_tokens"))
+            sid, req["messages"], req.get("tools") or None, _max_tokens(req, "max_completion_tokens", "max_tokens"),
+            _stop(req))
         tok, logprobs = s.lease.tokenizer, None
         if req.get("logprobs"):
             logprobs = {"content": [{"token": t, "logprob": lp, "bytes": list(t.encode()), "top_logprobs": []}
@@ -184,7 +188,7 @@ class AgentServer:
         if not isinstance(prompt, str):
             raise RequestError(400, "a completions request needs one prompt string (token ids and several prompts "
                                     "are not served)")
-        s, c, prompt_tokens = await self.sessions.complete(sid, prompt, _max_tokens(req, "max_tokens"))
+        s, c, prompt_tokens = await self.sessions.complete(sid, prompt, _max_tokens(req, "max_tokens"), _stop(req))
         logprobs = None
         if req.get("logprobs") is not None and req.get("logprobs") is not False:  # (0 asks for them too)
             pieces = _pieces(s.lease.tokenizer, c.token_ids)
@@ -192,7 +196,8 @@ class AgentServer:
             logprobs = {"tokens": pieces, "token_logprobs": list(c.logprobs), "top_logprobs": None,
                         "text_offset": offsets}
         return self._response(s, "text_completion", req, prompt_tokens, c,
-                              {"index": 0, "text": c.text, "finish_reason": c.finish_reason, "logprobs": logprobs})
+                              {"index": 0, "text": answer_text(c), "finish_reason": c.finish_reason,
+                               "logprobs": logprobs})
 
     def _reward(self, sid: str, req: dict) -> dict:
         if "reward" not in req:
@@ -230,6 +235,17 @@ def _max_tokens(req: dict, *keys: str) -> int | None:
                 raise RequestError(400, f"{key}={value!r} must be a positive integer")
             return value
     return None
+
+
+def _stop(req: dict) -> list[str]:
+    """The request's `stop`: a string or a list of at most 4, as OpenAI's schema has it."""
+    stop = req.get("stop")
+    stop = [] if stop is None else [stop] if isinstance(stop, str) else stop
+    if (not isinstance(stop, list) or len(stop) > MAX_STOP
+            or not all(isinstance(x, str) and 0 < len(x) <= MAX_STOP_CHARS for x in stop)):
+        raise RequestError(400, f"stop={req.get('stop')!r} must be a string or a list of at most {MAX_STOP} "
+                                f"non-empty strings of at most {MAX_STOP_CHARS} characters")
+    return stop
 
 
 def _pieces(tokenizer, ids: list[int]) -> list[str]:

@@ -36,8 +36,8 @@ when the answer, stripped of surrounding whitespace, equals the row's label (str
 (also without a label); a file or module function takes the scorer's reward function signature,
 `reward_fn(prompts, completions, labels) -> list[float]` (examples/rewards/*.py), and is called
 with the one answer (in a thread: it may block). `env.stop` lists the strings where a turn with a
-call is complete (`fmt.stop`), for engines that can stop there; `env.tools` the tools' schemas,
-for a chat template's `tools=`.
+call is complete (`fmt.stop`), where the generator ends the turn; with hermes, every prompt is
+rendered with the tools' schemas as the chat template's `tools=` (`ToolEnvFactory.chat_tools`).
 """
 
 from __future__ import annotations
@@ -123,7 +123,19 @@ def tool_env(kwargs: dict, where: str) -> Callable[[], ToolEnv]:
     max_calls = kwargs.get("max_calls", 8)
     if not isinstance(max_calls, int) or max_calls < 1:
         raise EnvLoadError(f"{where}: max_calls={max_calls!r}; expected a whole number >= 1")
-    return functools.partial(ToolEnv, registry, format, load_reward(kwargs.get("reward", "exact"), where), max_calls)
+    return ToolEnvFactory(registry, format, load_reward(kwargs.get("reward", "exact"), where), max_calls)
+
+
+class ToolEnvFactory:
+    """Makes the episodes' ToolEnv; `chat_tools` are the schemas a chat template's `tools=` renders
+    into every prompt (hermes only: the tags format is not what such templates describe)."""
+
+    def __init__(self, registry: ToolRegistry, format: str, reward: Reward, max_calls: int):
+        self.args = (registry, format, reward, max_calls)
+        self.chat_tools = registry.schemas() if format == "hermes" else None
+
+    def __call__(self) -> ToolEnv:
+        return ToolEnv(*self.args)
 
 
 def make_tool(name: str, args: dict[str, Any], where: str) -> Tool:

@@ -12,6 +12,12 @@ from actors.engines import Completion, Engine, Sampling, process_logits
 from weight_sync.messages import RoundInfo, round_info
 
 
+def _stop_string_end(text: str, stops) -> tuple[str, int] | None:
+    """(the stop string, where the text ends with it) for the first one `text` holds, else None."""
+    found = [(text.find(s) + len(s), s) for s in stops if s and s in text]
+    return (min(found)[1], min(found)[0]) if found else None
+
+
 def _stop_ids(tokenizer, model_path: str, extra: Sequence[int]) -> set[int]:
     """eos ids of the tokenizer and of generation_config.json, plus `extra`."""
     ids = set(int(t) for t in extra)
@@ -57,13 +63,16 @@ class TransformersEngine(Engine):
         seqs = [list(map(int, p)) for p in prompt_ids for _ in range(n)]
         rng = self.rng if sampling.seed is None else torch.Generator(device="cpu").manual_seed(sampling.seed)
         stop = self.eos_ids | set(int(t) for t in sampling.stop_token_ids)
-        tokens, logprobs, reasons = self._sample(seqs, sampling, stop, rng)
+        tokens, logprobs, reasons, texts = self._sample(seqs, sampling, stop, rng)
         out: list[list[Completion]] = []
         for i in range(len(prompt_ids)):
             group = []
             for b in range(i * n, (i + 1) * n):
-                text = self.tokenizer.decode(tokens[b], skip_special_tokens=True)
-                group.append(Completion(tokens[b], logprobs[b], reasons[b], text))
+                text, at = texts[b], _stop_string_end(texts[b], sampling.stop)
+                last = tokens[b][-1] if tokens[b] else None
+                why = at[0] if at else last if reasons[b] == "stop" and last not in self.eos_ids else None
+                group.append(Completion(tokens[b], logprobs[b], reasons[b], text if at is None else text[:at[1]],
+                                        stop_reason=why))
             out.append(group)
         return out
 
@@ -102,6 +111,10 @@ class TransformersEngine(Engine):
                     tokens[b].append(int(nxt[b]))
                     logprobs[b].append(float(picked[b]))
                 ended = alive & torch.isin(nxt, stop_t)
+                if sampling.stop:  # (as vLLM: the text so far, specials skipped, holds a stop string)
+                    for b in (alive & ~ended).nonzero().flatten().tolist():
+                        ended[b] = _stop_string_end(self.tokenizer.decode(tokens[b], skip_special_tokens=True),
+                                                    sampling.stop) is not None
                 for b in ended.nonzero().flatten().tolist():
                     reasons[b] = "stop"
                 alive &= ~ended
@@ -112,7 +125,7 @@ class TransformersEngine(Engine):
                 pos = pos[:, -1:] + 1  # (B, 1)
                 out = self.model(input_ids=nxt.unsqueeze(-1).to(dev), attention_mask=attn.to(dev),
                                  position_ids=pos.to(dev), past_key_values=out.past_key_values, use_cache=True)
-            return tokens, logprobs, reasons
+            return tokens, logprobs, reasons, [self.tokenizer.decode(t, skip_special_tokens=True) for t in tokens]
 
     def receive_weights(self, info: RoundInfo) -> dict:
         from weight_sync.receiver import receive_into_model

@@ -80,6 +80,7 @@ def _sampling_params(n: int, sampling: Sampling, **extra):
     return SamplingParams(
         n=n, temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k,
         max_tokens=sampling.max_tokens, stop_token_ids=list(sampling.stop_token_ids), seed=sampling.seed,
+        stop=list(sampling.stop) or None, include_stop_str_in_output=bool(sampling.stop),
         logprobs=0,  # the sampled token's log-prob only
         **extra,
     )
@@ -89,7 +90,7 @@ def _completion(c, versions: list[int] | None = None) -> Completion:
     """A vLLM `CompletionOutput` as a `Completion`."""
     ids = list(c.token_ids)
     lps = [c.logprobs[t][tok].logprob for t, tok in enumerate(ids)]
-    return Completion(ids, lps, str(c.finish_reason or "length"), c.text, versions)
+    return Completion(ids, lps, str(c.finish_reason or "length"), c.text, versions, c.stop_reason)
 
 
 class _VLLMBackend(Engine):

@@ -163,6 +163,28 @@ def test_greedy_is_identical_across_backends(vllm_engine, hf):
     assert gap < TOL, f"greedy log-probs (log_softmax of raw logits): largest gap {gap:.3g}"
 
 
+@pytest.mark.slow
+def test_stop_strings_end_a_completion_on_the_token_that_completes_them(vllm_engine, hf):
+    """Both engines stop where the text first holds a stop string: the ids are the unstopped
+    greedy ids up to the token that completes it (kept whole), the text ends with the string."""
+    ids = _prompt_ids(vllm_engine.tokenizer)
+    tok = vllm_engine.tokenizer
+    full = [g[0] for g in vllm_engine.generate(ids, 1, Sampling(temperature=0.0, max_tokens=24))]
+    i = max(range(len(full)), key=lambda j: len(full[j].text))
+    text = full[i].text
+    assert len(text) >= 8, f"the greedy continuation of {PROMPTS[i]!r} is too short to cut: {text!r}"
+    stop = text[5:8]
+    end = text.find(stop) + len(stop)
+    k = next(k for k in range(1, len(full[i].token_ids) + 1)
+             if stop in tok.decode(full[i].token_ids[:k], skip_special_tokens=True))
+    s = Sampling(temperature=0.0, max_tokens=24, stop=["never-in-this-text", stop])
+    for engine in (vllm_engine, hf):
+        c = engine.generate([ids[i]], 1, s)[0][0]
+        assert c.token_ids == full[i].token_ids[:k], type(engine).__name__
+        assert (c.finish_reason, c.stop_reason, c.text) == ("stop", stop, text[:end]), type(engine).__name__
+        assert max(abs(a - b) for a, b in zip(c.logprobs, full[i].logprobs)) < TOL
+
+
 def test_generator_config_errors_quote_the_values():
     from actors.config import GeneratorConfig
     from launch.config import ConfigError, load_section

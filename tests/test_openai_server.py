@@ -172,3 +172,40 @@ def test_a_generator_with_an_openai_agent_pushes_its_sessions_as_rollouts(tmp_pa
         client.close()
         for p in (gen, scorer, buffer):
             stop(p)
+
+
+async def _stop_agent(base_url: str, row, seen: dict, **_):
+    """A completion that stops at "b", then one with a malformed `stop`; what it got goes in `seen`."""
+    async with openai.AsyncOpenAI(base_url=base_url, api_key="-", max_retries=0) as client:
+        out = await client.completions.create(model="m", prompt=row.prompt, max_tokens=4, stop=["b"])
+        seen["answer"] = (out.choices[0].text, out.choices[0].finish_reason)
+        try:
+            await client.completions.create(model="m", prompt=row.prompt + "a", stop=[""])
+        except openai.BadRequestError as e:
+            seen["refused"] = str(e)
+    return 1.0
+
+
+def test_a_requests_stop_ends_its_turn_and_the_answer_leaves_it_out():
+    """`stop` reaches the engine; the agent gets the text before it (OpenAI's rule) while the
+    session records every id the engine sampled, the stop string's included."""
+    tok = build_tokenizer()
+    asked = []
+
+    def generate(contexts, sampling):
+        asked.append(list(sampling.stop))
+        ids = tok.encode("ab", add_special_tokens=False)
+        return [Completion(ids, [-0.25] * 2, "stop", "ab", stop_reason="b") for _ in contexts]
+
+    cfg = GeneratorConfig(model="/m", use_chat_template=False, session_timeout_s=5.0, max_turns=3)
+    group = PromptGroup(0, "q=", None)
+    seen: dict = {}
+    server = AgentServer(_stop_agent, {"seen": seen}, "127.0.0.1", 0)
+    try:
+        played = server.play([group], 1, SimpleNamespace(tokenizer=tok, version=1), Sampling(max_tokens=4), cfg,
+                             generate, Counter())
+    finally:
+        server.close()
+    (e,) = played[0]
+    assert asked == [["b"]] and seen["answer"] == ("a", "stop")
+    assert "stop=['']" in seen["refused"] and e.ids == tok.encode("ab", add_special_tokens=False) and e.mask == [1, 1]

@@ -175,6 +175,7 @@ def test_in_the_generators_loop_a_tool_turn_is_the_policys_ids_then_the_results_
 
     def generate(batch, sampling):
         contexts.extend(batch)
+        assert sampling.stop == ["</calc>"]  # the format's stop strings end a turn right after its call
         text = next(turns)
         return [Completion(enc(text), [-0.5] * len(text), "stop", text)]
 
@@ -204,3 +205,32 @@ def test_the_example_config_and_its_tasks(tmp_path):
         ep = play(make(), scripted(f"<calc>{row['prompt'].rstrip('=')}</calc>", "{result}"),
                   Row(prompt=row["prompt"], label=row["label"]), max_turns=g.max_turns)
         assert ep.done and ep.reward == 1.0, (row, ep)
+
+
+HERMES_TEMPLATE = (
+    "{% if tools %}<|im_start|>system\nTools:{% for t in tools %} {{ t['function']['name'] }}{% endfor %}"
+    "<|im_end|>\n{% endif %}{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def test_hermes_prompts_carry_the_tools_schemas_and_a_cut_turn_is_closed():
+    """With hermes, the generator renders each prompt with the tools' schemas as `tools=` (the
+    tags format does not: such templates describe JSON calls); a turn a stop string or the token
+    limit ended gets the template's end-of-turn id before the observation."""
+    from actors.episodes import close_turn
+    from actors.generator import encode_prompt
+    from demo.tiny_model import build_tokenizer
+
+    tok = build_tokenizer()
+    tok.chat_template = HERMES_TEMPLATE.replace("<|im_start|>", "#").replace("<|im_end|>", "</s>")
+    hermes = load_env("tools", {"tools": ["calculator", "python"]})
+    assert load_env("tools", TAGS).chat_tools is None
+    names = [t["function"]["name"] for t in hermes.chat_tools]
+    assert names == ["calculator", "python"] and hermes().tools == hermes.chat_tools
+    text = tok.decode(encode_prompt(tok, "2+3=", True, tools=hermes.chat_tools))
+    assert text.startswith("#system\nTools: calculator python</s>") and text.endswith("#user\n2+3=</s>\n#assistant\n")
+    assert tok.decode(encode_prompt(tok, "2+3=", True)).startswith("#user")
+    eos = tok.eos_token_id
+    assert close_turn(tok, [5, 6], "tool", True) == [eos]  # cut short: the template's end of turn is added
+    assert close_turn(tok, [5, eos], "tool", True) == []  # the policy ended it itself
+    assert close_turn(tok, [5, 6], "tool", False) == [] and close_turn(tok, [5, 6], None, True) == []
