@@ -14,7 +14,7 @@ PYTEST_ARGS ?=
 
 help:
 	@echo "make demo     set up (first time) and run the demo"
-	@echo "make demo-agent  the multi-turn agent demo (a guessing game; ~8 min)"
+	@echo "make demo-agent  the multi-turn agent demo (multiplication with a calculator tool)"
 	@echo "make test     set up (first time) and run the whole test suite"
 	@echo "make bench    run the benchmarks in bench/"
 	@echo "make install  create $(VENV)/ and install the $(STACK) stack"
@@ -40,7 +40,7 @@ demo: install
 	$(PY) -m launch.demo
 
 demo-agent: install
-	$(PY) -m launch.demo --demo.task guess
+	$(PY) -m launch.demo --demo.task calc
 
 test: install
 	$(PY) -m pytest $(PYTEST_ARGS)

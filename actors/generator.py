@@ -40,10 +40,10 @@ import numpy as np
 from actors.config import GeneratorConfig
 from actors.engines import Completion, Engine, Sampling, build_engine
 from actors.episodes import rollout_of, run_episodes
+from actors.weight_hook import WeightSyncHook
 from buffer.client import BufferClient, BufferError
 from buffer.protocol import ID_DTYPE, LOGPROB_DTYPE, LeaseGrant, Rollout, Wait
 from common.ready import mark_ready
-from weight_sync.messages import RoundInfo
 
 log = logging.getLogger("conveyor.generator")
 
@@ -157,74 +157,7 @@ class LeaseKeeper:
 
 
 # --------------------------------------------------------------------------------------------
-# weight sync (the service and receiver live in weight_sync/; this is only the call site)
-
-
-class WeightSyncHook:
-    """Registers with the weight-sync service and loads each new round into the engine.
-
-    `poll` runs between batches. In `interrupt` mode, with an engine that can load mid-batch,
-    `generate_batch` also calls `poll_mid_batch` while a batch runs. Both on the loop's thread:
-    the client's ZeroMQ socket is not thread-safe.
-    """
-
-    def __init__(self, cfg: GeneratorConfig, worker_id: str, engine: Engine):
-        from weight_sync.client import GeneratorSyncClient
-
-        self.ws = GeneratorSyncClient(cfg.weight_sync_host, cfg.weight_sync_port, worker_id)
-        # world_size: the engine's workers that join a broadcast (vLLM's tensor-parallel ranks)
-        reply = self.ws.register(cfg.engine, world_size=cfg.tensor_parallel_size if cfg.engine == "vllm" else 1)
-        self.mode = reply.get("mode", "finish")  # the service's, as last heard (every round repeats it)
-        if self.mode == "interrupt" and not engine.loads_mid_batch:
-            log.warning("weight-sync mode 'interrupt' needs generator.engine=vllm and generator.async_engine=true; "
-                        "this %s engine loads weights between batches", type(engine).__name__)
-        self.timeout_s = cfg.weight_sync_timeout_s
-        self.poll_s = cfg.weight_sync_poll_s
-        self.deferred: dict | None = None  # a `finish` round that came mid-batch: loaded after it
-
-    def initial(self, engine: Engine) -> None:
-        """The current weights before the first lease (None: the learner has published nothing yet)."""
-        round_info = self.ws.wait_current(self.timeout_s)
-        if round_info is not None:
-            self.apply(engine, round_info)
-
-    def poll(self, engine: Engine) -> None:
-        round_info, self.deferred = self.deferred, None
-        round_info = round_info or self.ws.poll()
-        if round_info is not None:
-            self.apply(engine, round_info)
-
-    def poll_mid_batch(self, engine: Engine) -> None:
-        if self.deferred is not None:
-            return
-        round_info = self.ws.poll()
-        if round_info is None:
-            return
-        if round_info.mode == "interrupt":
-            self.apply(engine, round_info, mid_batch=True)
-        else:  # the service now says `finish`: the batch ends on the weights it started with
-            self.deferred = round_info
-
-    def apply(self, engine: Engine, round_info: RoundInfo, mid_batch: bool = False) -> None:
-        version = round_info.version
-        self.mode = round_info.mode
-        t0 = time.monotonic()
-        try:
-            engine.receive_weights(round_info)  # in `interrupt` mode: pause, load, resume; stamps the version
-        except Exception as e:
-            # Keep generating with the weights we have: their version is still stamped truthfully.
-            log.error("weights v%d not loaded: %s: %s", version, type(e).__name__, e)
-            self.ws.done(version, ok=False, load_s=time.monotonic() - t0, error=f"{type(e).__name__}: {e}")
-            return
-        load_s = time.monotonic() - t0
-        self.ws.done(version, ok=True, load_s=load_s)
-        log.info("weights v%d loaded%s (time/weight_sync %.2fs)", version,
-                 " into the running batch" if mid_batch else "", load_s)
-
-    def close(self) -> None:
-        close = getattr(self.ws, "close", None)
-        if close is not None:
-            close()
+# generating (weight sync: actors/weight_hook.py)
 
 
 def generate_batch(engine: Engine, prompt_ids: list[list[int]], n: int, sampling: Sampling,

@@ -6,7 +6,8 @@ come from a role that makes it (`REQUEST_ROLES`): only the learner's ranks fetch
 version, resume or ask for an evaluation round; only generators lease; only scorers push scored
 rollouts. And a lease belongs to the key that took it: a renewal, a given-up group or a relayed
 rollout under a lease from any other key is refused, so one generator cannot fail, extend or answer
-another's work. A refused request gets an `Error` reply naming `permission` (a relayed message is
+another's work (a lease the buffer restored after a restart belongs to the first key that uses it).
+A refused request gets an `Error` reply naming `permission` (a relayed message is
 dropped), counted in `buffer/refused_requests`.
 
 With CURVE off (loopback, trusted) there is no identity and nothing is checked here.
@@ -64,22 +65,31 @@ class Gate:
             self._refuse(why)
         lease_id = getattr(request, "lease_id", None)
         if lease_id is not None and isinstance(request, (LeaseRenew, GroupFailed)):
-            owner = self.owners.get(lease_id)
-            if owner is not None and owner != who:
+            owner = self._owner(lease_id, who)
+            if owner != who:
                 self._refuse(f"lease {lease_id} was granted to {owner}, not to {who}")
 
     def check_relay(self, frames, who: str | None) -> None:
         """Raise `RequestError` unless every rollout of a relayed `rollouts` message (its frames
-        after the envelope) answers a lease granted to `who`: a generator pushes its own work only.
-        A lease granted before the buffer restarted has no recorded owner and passes."""
+        after the envelope) answers a lease granted to `who`: a generator pushes its own work only."""
         for i, f in enumerate(frames[1:]):
             try:
                 lease_id = _LEASE_OF.decode(f).lease_id
             except (msgspec.DecodeError, RecursionError, ValueError):
                 self._refuse(f"rollouts[{i}] cannot be read")
-            owner = self.owners.get(lease_id)
-            if owner is not None and owner != who:
+            owner = self._owner(lease_id, who)
+            if owner != who:
                 self._refuse(f"rollouts[{i}] answers lease {lease_id}, granted to {owner}, not to {who}")
+
+    def _owner(self, lease_id: int, who: str | None) -> str | None:
+        """The key a lease belongs to. A live lease with none recorded was granted before the
+        buffer restarted (owners are not in the state log): the first generator key to use it
+        takes it, so from then on it is checked like any other. A lease not live has no owner to
+        protect: the buffer refuses its results on its own."""
+        owner = self.owners.get(lease_id)
+        if owner is None and who is not None and self.live(lease_id):
+            owner = self.owners[lease_id] = who
+        return who if owner is None else owner
 
     def granted(self, reply, who: str | None) -> None:
         if isinstance(reply, LeaseGrant) and who:

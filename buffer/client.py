@@ -40,6 +40,7 @@ from buffer.protocol import (
 )
 from common.channel import Channel, recv_frames, send_frames
 from common.curve import apply, client_options
+from common.wire import expect
 
 
 class BufferError(RuntimeError):
@@ -106,8 +107,7 @@ class BufferClient:
 
     def metrics(self) -> dict[str, float]:
         reply = self.request(MetricsRequest())
-        assert isinstance(reply, Metrics)
-        return reply.values
+        return expect(reply, Metrics).values
 
     def get_batch(self, step: int, rank: int = 0, world_size: int = 1, timeout_s: float | None = None,
                   poll_s: float = 0.05, on_wait=None, report_every_s: float = 30.0) -> Batch:

@@ -33,6 +33,14 @@ class ProtocolError(ValueError):
         self.problem = problem
 
 
+def expect(reply, *types: type):
+    """`reply` if it is one of `types`, else `ProtocolError`: a peer that answers with a well-formed
+    message of another kind is as malformed as one that sends junk."""
+    if not isinstance(reply, types):
+        raise ProtocolError("reply", f"expected {' or '.join(t.__name__ for t in types)}, got {type(reply).__name__}")
+    return reply
+
+
 _SHORT = reprlib.Repr()  # (keyword arguments only from Python 3.12)
 _SHORT.maxlevel, _SHORT.maxstring, _SHORT.maxother, _SHORT.maxlist, _SHORT.maxdict = 2, 60, 60, 4, 4
 

@@ -88,10 +88,13 @@ class _Watcher:
         self.added: list[tuple[str, str]] = []  # (monitor endpoint, socket name), for the thread to connect
         self.stop = threading.Event()
         self.thread: threading.Thread | None = None
+        self.pipes = 0  # monitor pipes open (one per watched socket still open)
 
     def watch(self, sock: zmq.Socket, domain: str) -> None:
         addr = f"inproc://conveyor-curve-monitor-{id(self)}-{len(self.added)}"
-        sock.monitor(addr, self.EVENTS)
+        # (MONITOR_STOPPED comes when `sock` closes: its pipe is closed then, so a service that
+        # rebinds its sockets, as the buffer's memory guard does, leaves none behind)
+        sock.monitor(addr, self.EVENTS | zmq.EVENT_MONITOR_STOPPED)
         self.added.append((addr, domain))
         if self.thread is None:
             self.thread = threading.Thread(target=self._run, name="curve-monitor", daemon=True)
@@ -113,6 +116,11 @@ class _Watcher:
                     event = recv_monitor_message(s)
                     if event["event"] & self.EVENTS:
                         self.keyring.refused[socks[s]] += 1
+                    elif event["event"] == zmq.EVENT_MONITOR_STOPPED:
+                        poller.unregister(s)
+                        del socks[s]
+                        s.close(0)
+                self.pipes = len(socks)
         except zmq.ContextTerminated:
             pass
         finally:

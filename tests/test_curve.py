@@ -145,3 +145,47 @@ def test_weight_sync_with_curve_refuses_strangers_and_impostors(keys, tmp_path, 
         service.stop()
         time.sleep(0.2)
         ctx.term()
+
+
+def test_a_lease_restored_after_a_restart_belongs_to_the_first_key_that_uses_it():
+    """Owners are not in the state log: a live lease with none recorded (granted before the buffer
+    restarted) is taken by the first generator key that renews, fails or answers it; then it is
+    checked as any lease; a lease not live has no owner to take."""
+    from collections import Counter
+
+    from buffer.access import Gate
+    from buffer.groups import RequestError
+    from buffer.protocol import LeaseRenew
+
+    live = {7}
+    gate = Gate(lambda lease_id: lease_id in live, Counter())
+    gate.check(LeaseRenew(7), "gen-1")  # the first use after the restart: gen-1 takes lease 7
+    assert gate.owners == {7: "gen-1"}
+    with pytest.raises(RequestError, match="granted to gen-1, not to gen-2"):
+        gate.check(LeaseRenew(7), "gen-2")
+    gate.check(LeaseRenew(8), "gen-2")  # not live: nothing recorded (the buffer refuses it itself)
+    assert 8 not in gate.owners and gate.counters["refused_requests"] == 1
+
+
+def test_a_rebound_socket_leaves_no_monitor_pipe_behind(keys):
+    """The buffer's memory guard closes and rebinds its sockets; each closed socket's monitor pipe
+    is closed too (MONITOR_STOPPED), so resets leak nothing."""
+    from common.zap import Guard
+
+    ctx = zmq.Context()
+    guard = Guard(ctx, keys)
+    try:
+        for _ in range(10):
+            s = guard.secure(ctx.socket(zmq.PULL), "ingest", ("scorer",))
+            s.bind("tcp://127.0.0.1:0")
+            s.close(0)
+        kept = guard.secure(ctx.socket(zmq.PULL), "ingest", ("scorer",))
+        kept.bind("tcp://127.0.0.1:0")
+        deadline = time.monotonic() + 10
+        while guard.watcher.pipes != 1 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert guard.watcher.pipes == 1
+        kept.close(0)
+    finally:
+        guard.close()
+        ctx.term()

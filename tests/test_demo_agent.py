@@ -1,5 +1,6 @@
-"""The agent demo's pieces (launch.demo --demo.task guess), without a run: the warm start's
-examples and their loss mask, the held-out split, and the run config examples/agent.yaml."""
+"""The agent demos' pieces (launch.demo --demo.task calc / guess), without a run: the warm starts'
+examples and their loss masks, the held-out splits, and the run configs examples/agent.yaml (calc)
+and examples/guess.yaml."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from demo.arithmetic import encode_segments
 from demo.guess import (CORRECT, HIGHER, LOWER, MAX_TURNS, TURN_PENALTY, Game, bisection_segments, prompt_of,
                         reachable)
 from demo.tiny_model import build_tokenizer
-from launch.demo import AGENT_CONFIG, ROOT, guess_data, split_demo_args, subset_points
+from launch.demo import AGENT_CONFIG, GUESS_CONFIG, ROOT, guess_data, split_demo_args, subset_points
 
 
 def test_bisection_segments_train_the_guesses_only():
@@ -85,7 +86,7 @@ def test_demo_args_take_the_tasks_defaults():
 def test_agent_config_plays_the_game_and_counts_a_win_as_a_pass():
     from launch.run_config import load_run_config
 
-    run = load_run_config(AGENT_CONFIG, ["--learner.model_path", str(ROOT), "--buffer.prompts", str(AGENT_CONFIG)])
+    run = load_run_config(GUESS_CONFIG, ["--learner.model_path", str(ROOT), "--buffer.prompts", str(GUESS_CONFIG)])
     g = run.generator
     assert g.env == "guess" and "env" in run.scorer.kinds and not g.use_chat_template
     turns = g.env_args.get("max_turns", MAX_TURNS)
@@ -97,3 +98,39 @@ def test_agent_config_plays_the_game_and_counts_a_win_as_a_pass():
     *_, (_, least_win, done) = [game.play(f"{x}\n") for x in (16, 24, 28, 30, 31)]
     assert done and game.won and least_win >= run.eval.pass_threshold > 0
     assert run.learner.temperature == g.temperature  # log-probs comparable with the generator's
+
+
+def test_calc_episodes_train_the_call_and_the_answer_and_keep_held_out_problems_out():
+    from demo.calc import episode_segments, make_problems
+
+    held = make_problems(50, seed=10_000)
+    train = make_problems(500, seed=0, exclude={p["prompt"] for p in held})
+    assert not {p["prompt"] for p in held} & {p["prompt"] for p in train}
+    a, b = (int(x) for x in train[0]["prompt"].rstrip("=").split("*"))
+    assert train[0]["label"] == str(a * b) and 10 <= min(a, b) and max(a, b) <= 99
+    tok = build_tokenizer()
+    ids, mask = encode_segments(tok, episode_segments({"prompt": "37*58=", "label": "2146"}))
+    assert tok.decode(ids, skip_special_tokens=True) == "37*58=<calc>37*58</calc><result>2146</result>2146\n"
+    assert tok.decode([i for i, m in zip(ids, mask) if m]) == "<calc>37*58</calc>2146\n"  # the policy's turns
+
+
+def test_calc_config_solves_a_scripted_episode_through_the_calculator():
+    import asyncio
+
+    from actors.env import Row, load_env, run_episode
+    from launch.run_config import load_run_config
+
+    run = load_run_config(AGENT_CONFIG, ["--learner.model_path", str(ROOT), "--buffer.prompts", str(AGENT_CONFIG)])
+    g = run.generator
+    assert g.env == "tools" and "env" in run.scorer.kinds and not g.use_chat_template
+    assert g.max_turns >= 2 and g.max_new_tokens >= len("<calc>99*99</calc>")
+    make = load_env(g.env, g.env_args, "generator.env")
+    assert make().stop == ["</calc>"]  # the call's turn ends at its closing tag
+
+    async def policy(context: str) -> str:  # the scripted episode: call, then copy the result back
+        return "<calc>37*58</calc>" if "<result>" not in context else context.split("<result>")[1].split("<")[0] + "\n"
+
+    ep = asyncio.run(run_episode(make(), Row(prompt="37*58=", label="2146"), policy, max_turns=g.max_turns,
+                                 timeout_s=10.0))
+    assert ep.done and ep.reward == 1.0 >= run.eval.pass_threshold
+    assert run.learner.temperature == g.temperature

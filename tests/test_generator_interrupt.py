@@ -28,7 +28,8 @@ import torch
 import torch.nn.functional as F
 
 from actors.engines import Completion, Engine
-from actors.generator import WeightSyncHook, generate_batch
+from actors.generator import generate_batch
+from actors.weight_hook import WeightSyncHook
 from buffer.client import BufferClient
 from tests.conftest import free_port_block
 from tests.test_generator_live import start_role, wait_exit

@@ -30,6 +30,7 @@ import zmq
 
 from common.channel import Channel
 from common.curve import client_options
+from common.wire import expect
 from weight_sync.config import endpoint
 from weight_sync.messages import (
     Ack,
@@ -95,7 +96,7 @@ class GeneratorSyncClient:
         self.version = version
         self._registration = Register(self.worker_id, engine_kind, world_size, version)
         reply = self._ask(self._registration)
-        assert isinstance(reply, Registered)
+        expect(reply, Registered)
         self.current_version, self.mode = reply.current_version, reply.mode
         return {"current_version": reply.current_version, "mode": reply.mode}
 
@@ -112,7 +113,7 @@ class GeneratorSyncClient:
         if isinstance(reply, Offer):
             self.current_version = max(self.current_version, reply.info.version)
             return reply.info
-        assert isinstance(reply, Idle)
+        expect(reply, Idle)
         self.current_version, self.retry_after_s = reply.current_version, reply.retry_after_s
         return None
 
@@ -143,11 +144,11 @@ class GeneratorSyncClient:
         if ok:
             self.version = max(self.version, version)
         reply = self._ask(Done(self.worker_id, version, ok, float(load_s), error[:4000]))
-        assert isinstance(reply, Ack)
+        expect(reply, Ack)
 
     def status(self) -> dict:
         reply = self._ask(StatusRequest())
-        assert isinstance(reply, Status)
+        expect(reply, Status)
         return reply.values
 
     def unregister(self) -> None:
