@@ -22,7 +22,7 @@ penalty pays for tailoring: fewer guesses for the training secrets). A held-out 
 bisection guesses on the way to a training secret (`reachable`) is found by a policy that follows
 bisection wherever training took it; a held-out leaf of bisection's tree (guessed for no other
 secret) needs the midpoint worked out rather than recalled, which the tiny model does not learn.
-So the agent demo (`python -m launch.demo --demo.task guess`) trains on every secret and evaluates
+So the guessing demo (`python -m launch.demo --demo.task guess`) trains on every secret and evaluates
 greedy play on each; `--demo.heldout N` holds N out and plots their success beside it.
 """
 

@@ -1,6 +1,6 @@
 """An agent written against the `openai` client: it plays demo/guess.py's game through the generator.
 
-    generator:                  # e.g. examples/agent.yaml with these in place of its `env:` lines
+    generator:                  # e.g. examples/guess.yaml with these in place of its `env:` lines
       agent: examples/agents/openai_guess.py:agent
       agent_args: {max_turns: 5}
       stop_token_ids: [88]      # "\\n" in the tiny tokenizer: a guess is one line
