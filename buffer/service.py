@@ -67,7 +67,7 @@ from buffer.state import BufferState
 from buffer.store import StateStore
 from common.channel import recv_frames, send_frames
 from common.zap import Guard, server_guard
-from common.guards import MemoryGuard, WarnLimiter, rss_bytes
+from common.guards import MemoryGuard, WarnLimiter, raise_open_files_limit, rss_bytes
 from common.ready import mark_ready
 
 log = logging.getLogger("buffer")
@@ -502,5 +502,6 @@ def _ids(ids: list[int], shown: int = 8) -> str:
 
 def serve(cfg: BufferConfig, resume: bool = False, eval_cfg: EvalConfig | None = None) -> int:
     """Run a buffer until SIGTERM/SIGINT; the exit status."""
+    raise_open_files_limit(log, per_peer=3)
     BufferService(cfg, resume, eval_cfg).run()
     return 0

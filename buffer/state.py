@@ -77,6 +77,9 @@ class BufferState:
         self.requeue: deque[int] = deque()  # groups whose lease expired, issued again before new ones
         self.pending: dict[int, PendingGroup] = {}  # group id -> group leased and not complete
         self.leases: dict[int, Lease] = {}
+        # (expires_at, lease id) of every grant and renewal: `expire` pops what is due instead of
+        # scanning every lease at every request; an entry of a lease since renewed or answered is skipped
+        self.expiries: list[tuple[float, int]] = []
         self.ready: list[ReadyGroup] = []  # heap, oldest group id first
         # no group in `ready` has a token older than this (a lower bound, exact after each stale sweep):
         # while the stale floor is below it, moving the version needs no sweep of every queued group
@@ -153,6 +156,7 @@ class BufferState:
         for gid in group_ids:
             self.pending[gid] = PendingGroup(gid, lease_id, self.version)
         self.leases[lease_id] = Lease(lease_id, worker_id, set(group_ids), now + self.cfg.lease_ttl_s, now)
+        heapq.heappush(self.expiries, (now + self.cfg.lease_ttl_s, lease_id))
         self.counters["leases"] += 1
         if self.store:
             self.store.lease(lease_id, group_ids)
@@ -168,12 +172,18 @@ class BufferState:
             raise RequestError("lease_renew.lease_id", f"lease {lease_id} is not active (expired, answered or unknown)")
         lease.expires_at = now + self.cfg.lease_ttl_s
         lease.renewed_at = now
+        heapq.heappush(self.expiries, (lease.expires_at, lease_id))
 
     def expire(self, now: float) -> list[int]:
         """Put the groups of expired leases back at the front of the queue; returns them."""
-        back = []
-        for lease in [x for x in self.leases.values() if x.expires_at <= now]:
-            del self.leases[lease.lease_id]
+        back, due = [], {}
+        while self.expiries and self.expiries[0][0] <= now:
+            _, lease_id = heapq.heappop(self.expiries)
+            lease = self.leases.get(lease_id)
+            if lease is not None and lease.expires_at <= now:  # (else renewed since, or answered)
+                due[lease_id] = lease
+        for lease_id in sorted(due):  # granted order, as before
+            lease = self.leases.pop(lease_id)
             self.counters["expired_leases"] += 1
             for gid in sorted(lease.group_ids):
                 # partial samples go too: a group is accepted from one lease, all of it
@@ -340,6 +350,7 @@ class BufferState:
                 del self.dropped[gid]
             again.append(gid)
         self.leases.clear()
+        self.expiries.clear()
         self.pending.clear()
         self.batches.clear()
         self.released_steps.clear()

@@ -1,5 +1,5 @@
-"""Guards a long-running service keeps against its peers: warnings that cannot flood the log, and
-memory that a peer cannot grow without bound."""
+"""Guards a long-running service keeps against its peers: warnings that cannot flood the log,
+memory that a peer cannot grow without bound, and room for as many peers as the system allows."""
 
 from __future__ import annotations
 
@@ -8,6 +8,26 @@ import logging
 import os
 import time
 from typing import Callable
+
+
+def raise_open_files_limit(log: logging.Logger, per_peer: int = 1) -> int:
+    """Lift the soft RLIMIT_NOFILE to the hard limit (returned). Each peer holds `per_peer`
+    descriptors (a generator holds three on the buffer: control, relay_in, its lease keeper), and
+    at the usual soft limit of 1,024 libzmq stops accepting peers, silently, near a thousand of
+    them (bench/scale.py, docs/scaling.md). Warns when the limit leaves room for fewer than 1,300."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != hard:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+            soft = hard
+        except (ValueError, OSError):  # (an unlimited hard limit some systems refuse as a soft one)
+            pass
+    if soft != resource.RLIM_INFINITY and soft // per_peer < 1300:
+        log.warning("open files limited to %d (RLIMIT_NOFILE): room for about %d peers; raise the hard limit "
+                    "(ulimit -Hn, LimitNOFILE=) for more", soft, soft // per_peer)
+    return soft
 
 
 class WarnLimiter:
