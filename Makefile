@@ -54,6 +54,7 @@ bench: install
 	$(PY) bench/chaos.py
 	$(PY) bench/recipes.py
 	$(PY) bench/agent.py
+	$(PY) bench/scale.py
 	$(PY) bench/dynamic_sampling.py
 
 clean:
