@@ -15,7 +15,7 @@ OpenRLHF's placement flags (`--actor.num_nodes`, `--actor_num_gpus_per_node`, `-
 
 Also here, without Ray: `load` (the run config with `ray:` taken apart, paths made absolute),
 `tie_addresses` (the discovered buffer and weight-sync addresses into every section that dials
-them) and `check_resources` (a request no node can hold is refused at once, naming the role and the
+them), `decide_curve` (`run.curve auto` decided from the nodes the services were placed on) and `check_resources` (a request no node can hold is refused at once, naming the role and the
 resource, instead of waiting forever for a placement group).
 """
 
@@ -52,6 +52,10 @@ class RoleResources(Section):
     gpus_if_available: float = Field(0.0, ge=0)
     """GPUs per process reserved only when the cluster has GPUs (OpenRLHF's placement flags set 1),
     so that the same command runs on a CPU cluster, each process on CPUs; num_gpus, when set, wins."""
+    resources: dict[str, float] = Field(default_factory=dict)
+    """Ray custom resources per process (`{node_a: 1}`): a node started with `ray start
+    --resources '{"node_a": 100}'` is the only kind that can hold the process, which pins a role to
+    a set of nodes (the buffer and learner on one, generators on others)."""
     strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = "PACK"
     """How the role's placement group lays out its bundles (learner ranks; the generators started
     with the run): PACK (as few nodes as fit), SPREAD (different nodes where possible),
@@ -64,6 +68,7 @@ class RoleResources(Section):
             b["GPU"] = float(gpus) * gpus_scale
         if self.memory_gb:
             b["memory"] = float(self.memory_gb) * (1 << 30)
+        b.update({k: float(v) for k, v in self.resources.items()})
         return b
 
 
@@ -126,6 +131,10 @@ class RayConfig(Section):
             if not (r.num_cpus or r.num_gpus or r.memory_gb):
                 errs.append(f"ray.{name}: reserves nothing (num_cpus, num_gpus and memory_gb all 0); "
                             "give it at least a fraction of a CPU")
+            clash = sorted(set(r.resources) & {"CPU", "GPU", "memory"})
+            if clash:
+                errs.append(f"ray.{name}.resources={r.resources}: {', '.join(clash)} are set with num_cpus, "
+                            "num_gpus and memory_gb; resources is for custom ones")
         return errs
 
 
@@ -241,6 +250,19 @@ def tie_addresses(run) -> None:
     """Every role that dials the buffer or the weight-sync service gets their discovered addresses
     (what run_config.finish does for these fields, without re-deriving the others)."""
     _tie((run.generator, run.scorer, run.learner), run.buffer, run.weight_sync)
+
+
+def decide_curve(run, hosts: list[str]) -> bool:
+    """`run.curve auto` decided with the addresses the buffer and the weight-sync service will bind
+    (their nodes' IPs, known once they are placed): CurveZMQ on unless all are loopback. `on` and
+    `off` stay as they are. Sets buffer.curve and weight_sync.curve (one decision for the run);
+    whether it is on."""
+    from common.curve import is_loopback
+
+    mode = run.run.curve
+    on = mode == "on" or (mode == "auto" and not all(is_loopback(h) for h in hosts))
+    run.buffer.curve = run.weight_sync.curve = "on" if on else "off"
+    return on
 
 
 def ray_help(doc: str) -> str:

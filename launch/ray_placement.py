@@ -87,6 +87,20 @@ class Placement:
         return {kind: self.place(kind, bundles, strategy, self.rcfg.placement_timeout_s)
                 for kind, bundles, strategy in self.demands()}
 
+    def node_ip(self, group: Group, index: int = 0) -> str:
+        """The IP of the node that holds bundle `index` of a placed group ("" if none does now)."""
+        from ray.util import placement_group_table
+
+        node_id = placement_group_table(group.pg).get("bundles_to_node_id", {}).get(index)
+        return next((n["NodeManagerAddress"] for n in self.ray.nodes() if n["NodeID"] == node_id and n.get("Alive")), "")
+
+    def placed_now(self, slot: Slot) -> bool:
+        """Whether the slot's bundle is on an alive node: after its node was lost, Ray places the
+        group again once a node that can hold the bundle joins (until then an actor there waits)."""
+        from ray.util import placement_group_table
+
+        return placement_group_table(slot.pg).get("state") == "CREATED" and bool(self.node_ip(slot.group, slot.index))
+
     def take(self, group: Group) -> Slot:
         slot = group.free_slot()
         assert slot is not None, f"no free bundle in {group.role}'s placement group"

@@ -4,7 +4,8 @@
 (`python -m launch.X CONFIG ...`) through the same process wrapper as `launch.local`
 (launch/process.py): its own session, its log, its ready file. The roles do not know about Ray. The
 driver asks the actor for the node's address and free ports before the role starts (so addresses
-are discovered, not configured), starts the process, polls it, restarts it and stops it.
+are discovered, not configured), starts the process (with gloo tied to the interface of that
+address, `node_env`), polls it, restarts it and stops it.
 
 `RunControl` is the run's named actor: it holds the number of generators the run should have and
 the last status the driver reported; `python -m launch.ray scale|status|stop` (launch/ray_status.py)
@@ -60,7 +61,7 @@ class RoleProcess:
         path = Path(config_path)
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(config_text)
-        pid = self.proc.start(argv, env, cwd, banner=f"launch.ray: start {attempt} of {self.name} on "
+        pid = self.proc.start(argv, {**node_env(), **env}, cwd, banner=f"launch.ray: start {attempt} of {self.name} on "
                                                      f"{socket.gethostname()}: {' '.join(argv)}")
         out = {"ok": True, "pid": pid, "start_time": self.proc.start_time, "code": None, "detail": "",
                "log": str(self.log_path), "ready": None}
@@ -105,6 +106,23 @@ class RoleProcess:
                 self.stop(grace_s=2.0)
         except Exception:
             pass
+
+
+def node_env() -> dict[str, str]:
+    """What a role needs from its node: gloo (the weight broadcast, DeepSpeed's CPU groups) binds the
+    address the hostname resolves to, which is often 127.0.0.1 (/etc/hosts); peers on other nodes
+    would then be told to dial loopback. GLOO_SOCKET_IFNAME names the interface of the node's
+    routable IP instead, unless the node already sets it."""
+    if os.environ.get("GLOO_SOCKET_IFNAME"):
+        return {}
+    import psutil
+    import ray
+
+    node_ip = ray.util.get_node_ip_address()
+    for name, addrs in psutil.net_if_addrs().items():
+        if any(a.address == node_ip for a in addrs if a.family == socket.AF_INET):
+            return {"GLOO_SOCKET_IFNAME": name}
+    return {}
 
 
 class RunControl:

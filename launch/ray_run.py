@@ -3,13 +3,15 @@
 1. `launch`: the controller actor first (its name refuses a second run of the same name), every
    role's placement group (launch/ray_placement.py), then the roles of `launch.roles.plan` in
    order: buffer and weight-sync service (each on its node's IP and free ports, discovered, then
-   tied into every section that dials them), scorers, generators, learner ranks (the rendezvous
-   in their env). The services and learner rank 0 must write their ready files.
+   tied into every section that dials them; `run.curve auto` is decided from those IPs), scorers,
+   generators, learner ranks (the rendezvous in their env). The services and learner rank 0 must
+   write their ready files.
 2. `supervise`, every `ray.poll_s`: restart what is due, poll each process (exit code, ready
    record), decide what an exit means (`launch.roles.after_exit`: a generator or scorer is
    restarted while it has `ray.max_restarts` left; a learner rank, the buffer or the weight-sync
-   service stops the attempt with `RunFailed`), follow the controller's `scale` and `stop`,
-   report (launch/ray_status.py), watch the wall clock and the stall bound.
+   service stops the attempt with `RunFailed`; a generator or scorer whose node was lost waits,
+   uncounted, until its bundle is placed again on a node that joined), follow the controller's
+   `scale` and `stop`, report (launch/ray_status.py), watch the wall clock and the stall bound.
 3. `shutdown`: learner first, the buffer last; then every actor and placement group is freed and
    the cluster has forgotten the actors' names, so a next attempt (`run.auto_resume`) can start.
 """
@@ -23,7 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from launch.ray_config import ResourceError, check_resources, resolved_text, tie_addresses
+from launch.ray_config import ResourceError, check_resources, decide_curve, resolved_text, tie_addresses
 from launch.ray_placement import Placement, Slot
 from launch.roles import (ROOT, RestartPolicy, RoleSpec, State, after_exit, generator_spec, gone_for_good, plan,
                           prepare_keys)
@@ -57,6 +59,7 @@ class Proc:
     restart_at: float = 0.0
     code: int | None = None
     ready: dict | None = None  # what its ready file said
+    waiting: bool = False  # to restart, for a node that can hold its bundle (its own was lost)
 
     @property
     def name(self) -> str:
@@ -203,9 +206,18 @@ class RayRun:
         except ValueError:
             pass
         self.actor_names.append(name)
+        # on the driver's node (Ray's `node:<ip>` resource; checked: a soft node affinity did not
+        # keep it there): anywhere else, losing that node would take `scale` and `stop` with it
+        ip = self.ray.util.get_node_ip_address()
+        here = {f"node:{ip}": 0.001} if any(n["NodeManagerAddress"] == ip for n in self.ray.nodes()) else {}
         self.controller = self.Control.options(name=name, namespace=self.rcfg.namespace, num_cpus=0,
-                                               max_concurrency=4).remote(str(self.run_dir), r.num_generators)
+                                               max_concurrency=4, resources=here,
+                                               ).remote(str(self.run_dir), r.num_generators)
         groups = self.placement.place_all()
+        # `run.curve auto` is decided by where the services bind: their nodes' IPs, known now
+        hosts = [self.placement.node_ip(groups[kind]) for kind in ("buffer", "weight_sync")]
+        if decide_curve(self.run, hosts) and self.run.run.curve == "auto":
+            self.say(f"CurveZMQ on: the services bind {', '.join(sorted(set(hosts)))} (run.curve auto)")
         prepare_keys(self.run)  # (CurveZMQ on: the run's keys, before any role starts)
         specs = plan(self.run, "ray", self.restart_policy)
         for spec in specs:
@@ -331,6 +343,16 @@ class RayRun:
     def restart(self, p: Proc) -> None:
         from ray.exceptions import RayActorError
 
+        if p.slot is not None and not self.placement.placed_now(p.slot):
+            # its node is gone: wait (not counted as a restart) until Ray has placed the bundle on
+            # a node that joined since; run.stall_timeout_s bounds the wait for the whole run
+            if not p.waiting:
+                need = ", ".join(f"{k} {v:g}" for k, v in p.slot.bundle.items())
+                self.say(f"{p.name} waits for a node that can hold {{{need}}} (its node was lost)")
+            p.waiting = True
+            p.restart_at = time.monotonic() + max(p.spec.restart.delay_s, 1.0)
+            return
+        p.waiting = False
         try:
             if p.actor is None:
                 self.new_actor(p)
