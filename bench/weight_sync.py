@@ -5,16 +5,21 @@
     .venv/bin/python bench/weight_sync.py --quick     # a ~3M-parameter model, 3 reps, no vLLM (~1 min)
 
 A Llama of ~100M parameters (fp32, random weights, built on the fly) travels from this process
-(learner rank 0's role) to one receiver process, three ways:
+(learner rank 0's role) to one receiver process, each rep in turn:
   (a) raw:        one broadcast of a single flat tensor of the same bytes (group built beforehand)
-  (b) bucketed:   a Conveyor round through the real service, WeightSender and receiver code
-                  (`broadcast_s`: roster, group setup, every bucket, the receiver's report;
-                  `round_s`: all of publish, packing and the control plane included)
   (c) per_tensor: one broadcast per tensor (group built beforehand)
+  (b) round:      a Conveyor round through the real service, WeightSender and receiver code over
+                  the broadcast (`same_host: broadcast`, what a generator on another host gets);
+                  `round_s` is all of publish: control plane, join, group set-up, transfer, reports
+  (e) shm_round:  the same through the shared-memory segment (`same_host: auto`, one host)
 (a) and (c) end with a 1-byte broadcast back from the receiver, so each time covers arrival.
-Then (d) two rounds into a live vLLM engine (CPU build) for the same model: `vllm_load_s` is the
-worker's `reload_weights` time (second round; the first also allocates the worker's receive
-buffers: `vllm_first_*`). Medians over --reps. The last line printed is one JSON object.
+Then (d) rounds into a live vLLM engine (CPU build here) for the same model, alternating (b) and
+(e): `vllm_load_s` is the worker's load after the bytes arrived (`load_path`: `direct` copies
+into the engine's parameters, `reload_weights` where the engine repacks its weights, as the CPU
+build does), `vllm_publish_to_serving_s` runs from the learner calling publish to the engine
+answering a request on the new version (same host: one clock). The first two vLLM rounds warm up
+(receive buffers, the segment's pages). Medians over --reps. The last line printed is one JSON
+object, with every figure's ratio to raw.
 """
 
 from __future__ import annotations
@@ -34,11 +39,18 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 
-def _pg(port: int, rank: int, is_master: bool):
+def _pg(port: int, rank: int, is_master: bool, backend: str = "gloo"):
     import torch.distributed as dist
 
+    from weight_sync.round import make_group
+
     store = dist.TCPStore("127.0.0.1", port, None, is_master, timeout=timedelta(seconds=300), wait_for_workers=False)
-    return store, dist.ProcessGroupGloo(dist.PrefixStore("raw", store), rank, 2, timedelta(seconds=300))
+    return store, make_group(backend, dist.PrefixStore("raw", store), rank, 2, 300)
+
+
+def _device(backend: str) -> str:
+    """Where the bytes live for `backend`: NCCL moves device memory (one GPU, both ends)."""
+    return "cuda" if backend == "nccl" else "cpu"
 
 
 def _specs(model_dir: str) -> list[tuple[str, list[int]]]:
@@ -60,10 +72,11 @@ def receiver(a) -> None:
 
     specs = _specs(a.model)
     total = sum(4 * int(torch.Size(s).numel()) for _, s in specs)
-    store, pg = _pg(a.store_port, 1, False)
-    fence = torch.zeros(1, dtype=torch.uint8)
-    flat = torch.empty(total, dtype=torch.uint8)
-    tensors = [torch.empty(s, dtype=torch.float32) for _, s in specs]
+    store, pg = _pg(a.store_port, 1, False, a.backend)
+    dev = _device(a.backend)
+    fence = torch.zeros(1, dtype=torch.uint8, device=dev)
+    flat = torch.empty(total, dtype=torch.uint8, device=dev)
+    tensors = [torch.empty(s, dtype=torch.float32, device=dev) for _, s in specs]
     ws = GeneratorSyncClient("127.0.0.1", a.port, "bench-receiver", timeout_s=60)
     ws.register("bench")
     buffers: list = []  # kept between rounds, as the vLLM worker extension does on CPU
@@ -73,17 +86,20 @@ def receiver(a) -> None:
         for t in tensors:  # (c)
             pg.broadcast(t, 0).wait()
         pg.broadcast(fence, 1).wait()
-        info = None  # (b)
-        while info is None:
-            info = ws.poll()
-            if info is None:
-                time.sleep(0.005)
-        named, stats = receive_named_tensors(info, buffers=buffers)
-        ws.done(info.version, load_s=0.0)
+        for _ in range(2):  # (b) through the broadcast, (e) through shared memory
+            info = None
+            while info is None:
+                info = ws.poll()
+                if info is None:
+                    time.sleep(0.005)
+            named, stats = receive_named_tensors(info, device=dev, buffers=buffers)
+            ws.done(info.version, load_s=stats["recv_s"])
+            print("RX_STATS " + json.dumps(stats), flush=True)
     ws.unregister()
 
 
 def vllm_generator(a) -> None:
+    from actors.engines import Sampling
     from actors.vllm_engine import VLLMEngine
     from weight_sync.client import GeneratorSyncClient
 
@@ -91,7 +107,7 @@ def vllm_generator(a) -> None:
     ws = GeneratorSyncClient("127.0.0.1", a.port, "bench-vllm", timeout_s=60)
     ws.register("vllm")
     print("VLLM_READY", flush=True)
-    for _ in range(2):  # the first round allocates the worker's receive buffers, the second reuses them
+    for _ in range(a.vllm_rounds):  # the first round allocates the worker's receive buffers
         info = None
         while info is None:
             info = ws.poll()
@@ -101,7 +117,10 @@ def vllm_generator(a) -> None:
         stats = engine.receive_weights(info)  # the first worker's stats; the engine is now at info.version
         assert engine.version == info.version
         ws.done(info.version, load_s=stats["load_s"])
-        print("VLLM_STATS " + json.dumps({**stats, "rpc_s": time.monotonic() - t0}), flush=True)
+        # serving: the engine answers a request on the new weights (same host: one clock)
+        engine.generate([[1, 2, 3]], 1, Sampling(max_tokens=1, temperature=0.0))
+        print("VLLM_STATS " + json.dumps({**stats, "rpc_s": time.monotonic() - t0, "serving_at": time.time()}),
+              flush=True)
     engine.close()
 
 
@@ -122,6 +141,9 @@ def main() -> None:
     p.add_argument("--model", default="")
     p.add_argument("--port", type=int, default=0)
     p.add_argument("--store-port", type=int, default=0)
+    p.add_argument("--vllm-rounds", type=int, default=4)
+    p.add_argument("--backend", default="gloo", choices=["gloo", "nccl"],
+                   help="nccl: both ends on GPUs (needs two: NCCL refuses two ranks on one device)")
     a = p.parse_args()
     if a.quick:
         a.layers, a.hidden, a.intermediate, a.reps, a.no_vllm = 2, 256, 512, 3, True
@@ -134,6 +156,7 @@ def main() -> None:
     from safetensors.torch import load_file
 
     from demo.tiny_model import build_tiny_model
+    from weight_sync import buckets as bk
     from weight_sync.config import WeightSyncConfig
     from weight_sync.sender import WeightSender
     from weight_sync.service import WeightSyncService
@@ -157,18 +180,37 @@ def main() -> None:
     svc.start()
     env = subprocess_env()
     rx = subprocess.Popen([sys.executable, __file__, "--role", "receiver", "--model", model_dir, "--port", str(port),
-                           "--store-port", str(store_port), "--reps", str(a.reps)], env=env)
-    store, pg = _pg(store_port, 0, True)
-    fence = torch.zeros(1, dtype=torch.uint8)
+                           "--store-port", str(store_port), "--reps", str(a.reps), "--backend", a.backend], env=env, stdout=subprocess.PIPE,
+                          text=True)
+    store, pg = _pg(store_port, 0, True, a.backend)
+    dev = _device(a.backend)
+    named = [(k, x.to(dev)) for k, x in named]
+    fence = torch.zeros(1, dtype=torch.uint8, device=dev)
 
     # real bytes: an untouched `empty` would send the kernel's shared zero page, hot in cache
     flat = torch.cat([x.reshape(-1).view(torch.uint8) for _, x in named])
+    # (b) the broadcast path (what a generator on another host gets), (e) the same-host path
     sender = WeightSender("127.0.0.1", port, timeout_s=120, join_timeout_s=60, bucket_mb=a.bucket_mb,
-                          serve_in_background=False)
+                          serve_in_background=False, same_host="broadcast", sender_id="bench-bcast",
+                          backend=a.backend)
+    sender_shm = WeightSender("127.0.0.1", port, timeout_s=120, join_timeout_s=60, bucket_mb=a.bucket_mb,
+                              serve_in_background=False, same_host="auto", sender_id="bench-shm",
+                              backend=a.backend)
     while "bench-receiver" not in svc.state.generators:
         time.sleep(0.01)
-    raw, per_tensor, rounds = [], [], []
-    for v in range(1, a.reps + 1):
+
+    def publish(s, v: int, who: str) -> dict:
+        stats = s.publish(v, named)
+        assert stats["ok"] == [who], stats
+        while True:  # until the member's done (after the last round it unregisters)
+            g = svc.state.generators.get(who)
+            if g is None or g.version >= v:
+                return stats
+            time.sleep(0.002)
+
+    raw, per_tensor, rounds, shm_rounds = [], [], [], []
+    v = 0
+    for _ in range(a.reps):
         t = time.monotonic()  # (a) raw: one flat tensor of the same bytes
         pg.broadcast(flat, 0).wait()
         pg.broadcast(fence, 1).wait()
@@ -178,76 +220,99 @@ def main() -> None:
             pg.broadcast(x, 0).wait()
         pg.broadcast(fence, 1).wait()
         per_tensor.append(time.monotonic() - t)
-        stats = sender.publish(v, named)  # (b) a Conveyor round
-        assert stats["ok"] == ["bench-receiver"], stats
-        while True:  # until the receiver's done (after the last it unregisters)
-            g = svc.state.generators.get("bench-receiver")
-            if g is None or g.version >= v:
-                break
-            time.sleep(0.005)
-        rounds.append(stats)
-    rx.wait(60)
+        v += 1
+        rounds.append(publish(sender, v, "bench-receiver"))  # (b)
+        v += 1
+        t = time.monotonic()
+        shm_rounds.append({**publish(sender_shm, v, "bench-receiver"), "until_done_s": time.monotonic() - t})  # (e)
+    rx_stats = [json.loads(line[len("RX_STATS "):]) for line in rx.communicate(timeout=60)[0].splitlines()
+                if line.startswith("RX_STATS ")]
     del pg, flat
-    bucketed = [s["broadcast_s"] for s in rounds]
+    med = statistics.median
+
+    def col(rs, key):
+        return [round(r.get(key, 0.0), 3) for r in rs]
+
     print(f"(a) raw flat broadcast: {[round(x, 3) for x in raw]} s", flush=True)
     print(f"(c) per-tensor broadcasts ({len(named)}): {[round(x, 3) for x in per_tensor]} s", flush=True)
-    def col(key):
-        return [round(s[key], 3) for s in rounds]
-
-    print(f"(b) bucketed rounds ({rounds[0]['buckets']} buckets of <= {a.bucket_mb:g} MiB): "
-          f"broadcast {col('broadcast_s')} s "
-          f"= group setup {col('setup_s')} + transfer {col('transfer_s')} + confirm {col('confirm_s')} s; "
-          f"publish total {col('total_s')} s (pack {col('pack_s')} s)", flush=True)
+    print(f"(b) broadcast rounds ({rounds[0]['buckets']} receive buckets of <= {a.bucket_mb:g} MiB): "
+          f"broadcast {col(rounds, 'broadcast_s')} s = group setup {col(rounds, 'setup_s')} + transfer "
+          f"{col(rounds, 'transfer_s')} + confirm {col(rounds, 'confirm_s')} s; whole round (publish) "
+          f"{col(rounds, 'total_s')} s (staging {col(rounds, 'pack_s')} s)", flush=True)
+    print(f"(e) shared-memory rounds: write {col(shm_rounds, 'shm_s')} s, member's copy "
+          f"{[round(r['recv_s'], 3) for r in rx_stats if r.get('via') == 'shm']} s, whole round "
+          f"{col(shm_rounds, 'total_s')} s", flush=True)
 
     result = {
         "params_m": round(n_params / 1e6, 1), "bytes": nbytes, "tensors": len(named), "reps": a.reps,
-        "bucket_mb": a.bucket_mb, "buckets": rounds[0]["buckets"],
-        "raw_s": statistics.median(raw),
-        "bucketed_broadcast_s": statistics.median(bucketed),
-        "bucketed_round_s": statistics.median(s["total_s"] for s in rounds),
-        "bucketed_pack_s": statistics.median(s["pack_s"] for s in rounds),
-        "bucketed_setup_s": statistics.median(s["setup_s"] for s in rounds),
-        "bucketed_transfer_s": statistics.median(s["transfer_s"] for s in rounds),
-        "per_tensor_s": statistics.median(per_tensor),
+        "bucket_mb": a.bucket_mb, "buckets": rounds[0]["buckets"], "units": len(bk.units(bk.plan(
+            bk.specs_of(named)[0], sender.bucket_bytes))),
+        "raw_s": med(raw),
+        "round_s": med(r["total_s"] for r in rounds),
+        "round_broadcast_s": med(r["broadcast_s"] for r in rounds),
+        "round_transfer_s": med(r["transfer_s"] for r in rounds),
+        "round_control_s": med(r["total_s"] - r["transfer_s"] for r in rounds),  # everything but the bytes
+        "round_staging_s": med(r["pack_s"] for r in rounds),
+        "per_tensor_s": med(per_tensor),
+        "shm_round_s": med(r["total_s"] for r in shm_rounds),
+        "shm_write_s": med(r["shm_s"] for r in shm_rounds),
+        "shm_read_s": med(r["recv_s"] for r in rx_stats if r.get("via") == "shm"),
     }
-    result["ratio_bucketed_vs_raw"] = result["bucketed_broadcast_s"] / result["raw_s"]
-    result["ratio_round_vs_raw"] = result["bucketed_round_s"] / result["raw_s"]
-    result["ratio_per_tensor_vs_raw"] = result["per_tensor_s"] / result["raw_s"]
+    for key in ("round_s", "round_broadcast_s", "per_tensor_s", "shm_round_s"):
+        result[f"ratio_{key[:-2]}_vs_raw"] = result[key] / result["raw_s"]
     result["gbit_s_raw"] = nbytes * 8 / result["raw_s"] / 1e9
 
-    # (d) the same round into a live vLLM engine
+    # (d) rounds into a live vLLM engine: load, and publish -> serving on the new version
     if not a.no_vllm:
-        t = time.monotonic()
-        gen = subprocess.Popen([sys.executable, __file__, "--role", "vllm", "--model", model_dir, "--port", str(port)],
-                               env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
-        for line in gen.stdout:
-            if line.startswith("VLLM_READY"):
-                break
-        result["vllm_engine_start_s"] = time.monotonic() - t
-        rounds_v, vstats = [], []
-        for v in (a.reps + 1, a.reps + 2):
-            rounds_v.append(sender.publish(v, named))
-            for line in gen.stdout:
-                if line.startswith("VLLM_STATS "):
-                    vstats.append(json.loads(line[len("VLLM_STATS "):]))
-                    break
-        gen.wait(120)
-        if all(r["ok"] == ["bench-vllm"] for r in rounds_v) and len(vstats) == 2:
-            for i, (r, w) in enumerate(zip(rounds_v, vstats)):
-                print(f"(d) vLLM round {i + 1}: broadcast {r['broadcast_s']:.3f} s, "
-                      f"reload_weights {w['load_s']:.3f} s, collective_rpc total {w['rpc_s']:.3f} s", flush=True)
-            result.update(vllm_round_broadcast_s=rounds_v[1]["broadcast_s"], vllm_load_s=vstats[1]["load_s"],
-                          vllm_receive_weights_s=vstats[1]["rpc_s"],
-                          vllm_first_round_broadcast_s=rounds_v[0]["broadcast_s"],
-                          vllm_first_load_s=vstats[0]["load_s"])
-        else:
-            result["vllm_error"] = f"rounds {rounds_v}, worker {vstats}"
+        result.update(vllm_rounds(a, model_dir, port, env, named, [sender, sender_shm], v, result["raw_s"]))
     sender.close()
+    sender_shm.close()
     svc.stop()
     import shutil
 
     shutil.rmtree(tmp, ignore_errors=True)
     print(json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in result.items()}))
+
+
+def vllm_rounds(a, model_dir: str, port: int, env: dict, named: list, senders: list, v: int, raw_s: float) -> dict:
+    """Rounds into a vLLM engine in another process, alternating the broadcast and the same-host
+    sender; the first two warm up (receive buffers, the segment's pages)."""
+    t = time.monotonic()
+    gen = subprocess.Popen([sys.executable, __file__, "--role", "vllm", "--model", model_dir, "--port", str(port),
+                            "--vllm-rounds", str(a.vllm_rounds)],
+                           env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    for line in gen.stdout:
+        if line.startswith("VLLM_READY"):
+            break
+    out: dict = {"vllm_engine_start_s": time.monotonic() - t}
+    rows = []
+    for i in range(a.vllm_rounds):
+        v += 1
+        t_pub = time.time()
+        r = senders[i % 2].publish(v, named)
+        for line in gen.stdout:
+            if line.startswith("VLLM_STATS "):
+                w = json.loads(line[len("VLLM_STATS "):])
+                break
+        else:
+            w = {}
+        rows.append((r, w, w.get("serving_at", t_pub) - t_pub))
+    gen.wait(120)
+    if not all(r["ok"] == ["bench-vllm"] for r, _, _ in rows) or any(not w for _, w, _ in rows):
+        return {**out, "vllm_error": f"rounds {[r for r, _, _ in rows]}"}
+    for i, (r, w, p2s) in enumerate(rows):
+        print(f"(d) vLLM round {i + 1} via {w.get('via')}: receive {w['recv_s']:.3f} s, load ({w.get('load_path')}) "
+              f"{w['load_s']:.3f} s, publish -> serving {p2s:.3f} s", flush=True)
+    for via in ("broadcast", "shm"):
+        warm = [(r, w, p2s) for r, w, p2s in rows[2:] if w.get("via") == via]
+        if warm:
+            key = "vllm" if via == "broadcast" else "vllm_shm"
+            out[f"{key}_load_s"] = statistics.median(w["load_s"] for _, w, _ in warm)
+            out[f"{key}_publish_to_serving_s"] = statistics.median(p for _, _, p in warm)
+            out[f"ratio_{key}_load_vs_raw"] = out[f"{key}_load_s"] / raw_s
+            out[f"ratio_{key}_publish_to_serving_vs_raw"] = out[f"{key}_publish_to_serving_s"] / raw_s
+            out[f"{key}_load_path"] = warm[-1][1].get("load_path", "reload_weights")
+    return out
 
 
 if __name__ == "__main__":

@@ -115,7 +115,7 @@ def vllm_generator(tmp_path_factory, tiny_model_dir):
     svc, port = start_service(stale_after_s=600)
     tmp = tmp_path_factory.mktemp("ws_vllm")
     gen = Generator(tmp, port, "vllm0", tiny_model_dir, "vllm")
-    sender = WeightSender("127.0.0.1", port, timeout_s=60, join_timeout_s=20)
+    sender = WeightSender("127.0.0.1", port, timeout_s=60, join_timeout_s=20, same_host="auto")
     try:
         ready = gen.wait(lambda e: e["kind"] == "ready", 180)
         yield svc, port, gen, sender, ready
@@ -139,6 +139,7 @@ def test_vllm_round_matches_transformers_greedy(vllm_generator, tiny_model_dir, 
     ev = gen.wait(lambda e: e["kind"] == "round" and e["version"] == 5, 60)
     assert ev["outputs"] == want, "vLLM after the round differs from transformers with the sent weights"
     assert ev["stats"]["load_s"] > 0 and ev["mode"] == "finish"
+    assert ev["stats"]["via"] == "shm"  # one host: the sender's shared-memory segment, not the broadcast
     st = status(port)
     assert st["generators"]["vllm0"]["version"] == 5 and st["generators"]["vllm0"]["lag"] == 0
     assert st["current_version"] == 5 and st["last_round"]["ok"] == ["vllm0"]
@@ -181,10 +182,14 @@ def test_vllm_engine_survives_a_round_that_never_runs(vllm_generator, seed1_mode
     ev = gen.wait(lambda e: e["kind"] == "missed" and e["version"] == 7, 30)
     assert "no roster" in ev["error"]
     assert status(port)["generators"]["vllm0"]["version"] < 7
-    # the engine still works, and the next real round loads
-    stats = sender.publish(8, sent.items())
+    # the engine still works, and the next real round loads; through the broadcast this time, so
+    # that both paths are held to transformers' greedy outputs for the same weights
+    with WeightSender("127.0.0.1", port, timeout_s=60, join_timeout_s=20, same_host="broadcast",
+                      sender_id="learner-broadcast") as broadcast_only:
+        stats = broadcast_only.publish(8, sent.items())
     assert stats["ok"] == ["vllm0"], stats
     ev = gen.wait(lambda e: e["kind"] == "round" and e["version"] == 8, 60)
+    assert ev["stats"]["via"] == "broadcast"
     assert ev["outputs"] == greedy(seed1_model_dir, ready["prompt_ids"], len(ready["outputs"][0]))
 
 
@@ -233,7 +238,7 @@ def test_generator_killed_mid_round(tmp_path, tiny_model_dir, seed1_model_dir):
     timeout_s = 30
     # 64 KiB buckets: the 1.4 MB model takes ~20 broadcasts, and "doomed" dies after the first
     sender = WeightSender("127.0.0.1", port, timeout_s=timeout_s, join_timeout_s=20, bucket_mb=1 / 16,
-                          serve_in_background=False)
+                          serve_in_background=False, same_host="broadcast")
     try:
         for g in gens:
             g.wait(lambda e: e["kind"] == "ready", 90)
@@ -300,3 +305,45 @@ def test_disk_round_and_disk_catch_up(tmp_path, tiny_model_dir, seed1_model_dir)
     finally:
         sender.close()
         svc.stop()
+
+
+# ---------------------------------------------------------------------------------------------
+# the direct-copy load (actors.vllm_worker.direct_plan) against vLLM's own load_weights
+
+_DIRECT_COPY_CHECK = r"""
+import json, os, sys, tempfile
+import torch
+from safetensors.torch import load_file
+from vllm.config import ModelConfig, VllmConfig, set_current_vllm_config
+from vllm.distributed import init_distributed_environment, initialize_model_parallel
+from vllm.model_executor.models.llama import LlamaForCausalLM
+from actors.vllm_worker import copy_direct, direct_plan
+
+model_dir = sys.argv[1]
+cfg = VllmConfig(model_config=ModelConfig(model=model_dir, dtype="float32"))
+with set_current_vllm_config(cfg):
+    init_distributed_environment(world_size=1, rank=0, local_rank=0, backend="gloo",
+                                 distributed_init_method="file://" + tempfile.mktemp())
+    initialize_model_parallel(1, 1)
+    by_load, by_copy = (LlamaForCausalLM(vllm_config=cfg, prefix=p) for p in ("a", "b"))
+named = list(load_file(os.path.join(model_dir, "model.safetensors")).items())
+by_load.load_weights(iter(named))
+plan = direct_plan(by_copy, named)
+copy_direct(plan, named)
+a, b = dict(by_load.named_parameters()), dict(by_copy.named_parameters())
+print(json.dumps({"fused": sorted(k for k in a if "qkv_proj" in k or "gate_up_proj" in k),
+                  "names_equal": sorted(a) == sorted(b),
+                  "differ": [k for k in a if not torch.equal(a[k], b[k])]}))
+"""
+
+
+def test_direct_copy_load_equals_load_weights(tiny_model_dir):
+    """vLLM's Llama (its own class, one rank): copying the received tensors into the parameters
+    through `direct_plan` (fused qkv / gate_up rows, the padded vocabulary) gives exactly the
+    parameters its `load_weights` gives. (Run in a child: vLLM's parallel state is process-wide.)"""
+    out = subprocess.run([sys.executable, "-c", _DIRECT_COPY_CHECK, str(tiny_model_dir)], env=subprocess_env(),
+                         capture_output=True, text=True, timeout=300, cwd=str(ROOT))
+    assert out.returncode == 0, out.stderr[-3000:]
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    assert got["names_equal"] and got["differ"] == []
+    assert len(got["fused"]) == 4  # 2 layers x (qkv_proj, gate_up_proj): the fused rows were placed

@@ -463,3 +463,20 @@ def test_huge_shapes_are_refused_before_any_arithmetic():
             decode(payload)
         assert time.monotonic() - t0 < 0.5
         assert e.value.field == "ready.manifest.tensors[0].shape"
+
+
+def test_the_rendezvous_keys_are_under_the_senders_secret():
+    """A member given the round's secret meets the sender; a peer of the store without it sees
+    none of the round's keys (a TCPStore cannot list them), so it cannot join a roster or a group."""
+    from weight_sync.round import RoundStore, store_server
+
+    server = store_server("127.0.0.1", 10.0)
+    secret = "5e" * 16
+    sender = RoundStore("127.0.0.1", server.port, 3, 5.0, secret)
+    member = RoundStore("127.0.0.1", server.port, 3, 5.0, secret)
+    stranger = RoundStore("127.0.0.1", server.port, 3, 5.0)
+    member.join(1)
+    stranger.join(2)
+    assert sender.joined(1) == "broadcast" and sender.joined(2) is None and stranger.joined(1) is None
+    with pytest.raises(ProtocolError, match="secret"):
+        decode(encode(Ready("learner0", 1, "gloo", _manifest(), "h", 1, secret="not hex!")))

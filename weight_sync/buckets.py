@@ -1,8 +1,12 @@
-"""Flat buckets: many named tensors packed into a few contiguous byte buffers, and back.
+"""Flat buckets: the layout a member receives a version into, and the collectives that fill it.
 
-A round broadcasts buckets, not tensors: one collective per bucket instead of one per tensor
-(hundreds for a Llama), each large enough to run at link speed. The manifest says where each
-tensor lives, so a receiver gets its tensors back as views into the received buckets (no copy).
+A member receives a version into a few contiguous byte buffers (its buckets, kept between rounds)
+and hands its engine views into them (no copy). The manifest says where each tensor lives. Rank 0
+does not pack anything before sending: each tensor of at least `SMALL_BYTES` goes out as a
+collective of its own straight from the learner's memory, into its place in the member's bucket;
+runs of smaller tensors (norms, biases) share one small staging buffer (`units`, `sources`,
+`targets`; both ends derive the same list from the manifest). All of a round's collectives are
+issued at once (async) and waited for together, so per-collective latency overlaps the transfer.
 
 Layout rules:
 - tensors are placed in the order given, each at an offset aligned to `ALIGN` bytes (so a view of
@@ -193,6 +197,70 @@ def unpack(manifest: Manifest, buckets: Sequence["torch.Tensor"]) -> list[tuple[
         view = buckets[t.bucket][t.offset:t.offset + t.nbytes].view(torch_dtype(t.dtype)).view(t.shape)
         out.append((t.name, view))
     return out
+
+
+# A tensor of at least this many bytes travels as a collective of its own, straight from the
+# learner's memory; runs of smaller ones (norms, biases) are packed into one staging buffer per run.
+# Both ends derive the same units from the manifest with this constant.
+SMALL_BYTES = 1 << 20
+
+
+class Unit(msgspec.Struct, array_like=True):
+    """One collective of a round: bytes [start, end) of bucket `bucket`, tensors [first, last)."""
+
+    bucket: int
+    start: int
+    end: int
+    first: int
+    last: int
+
+
+def units(manifest: Manifest, small_bytes: int = SMALL_BYTES) -> list[Unit]:
+    """The collectives of a round, in order: each tensor of >= `small_bytes` alone, each run of
+    consecutive smaller tensors of one bucket together (alignment padding included)."""
+    out: list[Unit] = []
+    for i, t in enumerate(manifest.tensors):
+        n = t.nbytes
+        if not n:
+            continue
+        prev = out[-1] if out else None
+        small = n < small_bytes
+        if (small and prev is not None and prev.bucket == t.bucket and prev.last == i
+                and manifest.tensors[prev.first].nbytes < small_bytes):
+            prev.end, prev.last = t.offset + n, i + 1
+        else:
+            out.append(Unit(t.bucket, t.offset, t.offset + n, i, i + 1))
+    return out
+
+
+def as_bytes(t: "torch.Tensor") -> "torch.Tensor":
+    """(nbytes,) uint8 view of a tensor (a copy only when it is strided)."""
+    import torch
+
+    return t.detach().contiguous().view(-1).view(torch.uint8)
+
+
+def sources(manifest: Manifest, tensors: Sequence["torch.Tensor"], small_bytes: int = SMALL_BYTES) -> list:
+    """What rank 0 sends for each of `units(manifest)`: the tensor's own bytes (no copy) for a large
+    tensor, a small staging buffer for a run of small ones."""
+    import torch
+
+    out = []
+    for u in units(manifest, small_bytes):
+        if u.last - u.first == 1 and u.end - u.start == manifest.tensors[u.first].nbytes:
+            out.append(as_bytes(tensors[u.first]))
+            continue
+        stage = torch.zeros(u.end - u.start, dtype=torch.uint8, device=tensors[u.first].device)
+        for i in range(u.first, u.last):
+            spec = manifest.tensors[i]
+            stage[spec.offset - u.start:spec.offset - u.start + spec.nbytes].copy_(as_bytes(tensors[i]))
+        out.append(stage)
+    return out
+
+
+def targets(manifest: Manifest, buffers: Sequence["torch.Tensor"], small_bytes: int = SMALL_BYTES) -> list:
+    """Where a member receives each of `units(manifest)`: views into its bucket buffers."""
+    return [buffers[u.bucket][u.start:u.end] for u in units(manifest, small_bytes)]
 
 
 def total_bytes(manifest: Manifest) -> int:

@@ -45,6 +45,7 @@ Backend = Literal["gloo", "nccl", "disk"]
 Mode = Literal["finish", "interrupt"]
 Name = Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_STR)]  # worker and sender ids, engine kinds
 Text = Annotated[str, msgspec.Meta(max_length=MAX_STR)]
+Secret = Annotated[str, msgspec.Meta(max_length=64, pattern="^[0-9a-f]*$")]
 Version = Annotated[int, msgspec.Meta(ge=-1, le=2**62)]  # -1: the initial checkpoint / nothing yet
 Published = Annotated[int, msgspec.Meta(ge=0, le=2**62)]  # a version somebody published
 RoundId = Annotated[int, msgspec.Meta(ge=0, le=2**62)]
@@ -79,6 +80,16 @@ class Adapter(msgspec.Struct):
 
 
 
+class SameHost(msgspec.Struct):
+    """The sender's shared-memory segment (`weight_sync/shm.py`): members on its host read the
+    version there instead of joining the broadcast."""
+
+    path: Annotated[str, msgspec.Meta(min_length=1, max_length=4096)]
+    nonce: Annotated[int, msgspec.Meta(ge=0, lt=1 << 62)]  # also in the segment's header
+    host: Text  # the sender's `shm.host_id()`
+    force: bool = False  # weight_sync.same_host='shm': a same-host member must not fall back
+
+
 class RoundInfo(msgspec.Struct):
     """One member's view of a round: what to receive, from where, as which group ranks."""
 
@@ -97,6 +108,8 @@ class RoundInfo(msgspec.Struct):
     local_world_size: Workers = 1
     world_size: GroupSize = 1
     adapter: Adapter | None = None  # the tensors are a LoRA adapter, not the full weights
+    shm: SameHost | None = None  # members on the sender's host may read the version here
+    secret: Secret = ""  # the sender's rendezvous keys are under it (round.RoundStore)
 
     def __post_init__(self):
         if self.backend == "disk":
@@ -139,6 +152,7 @@ class RoundStats(msgspec.Struct):
     setup_s: Seconds = 0.0
     transfer_s: Seconds = 0.0
     confirm_s: Seconds = 0.0
+    shm_s: Seconds = 0.0  # writing the version into the shared-memory segment (same-host members)
 
 
 # ---- generator <-> service ------------------------------------------------------------------
@@ -205,6 +219,8 @@ class Ready(Msg, tag="ready"):
     timeout_s: Timeout = 120.0
     join_timeout_s: Timeout = 10.0
     adapter: Adapter | None = None  # the tensors are a LoRA adapter, not the full weights
+    shm: SameHost | None = None  # the sender's shared-memory segment, for members on its host
+    secret: Secret = ""  # the rendezvous keys' prefix (round.RoundStore): only the round's members get it
 
     def __post_init__(self):
         if self.backend == "disk" and not self.path:

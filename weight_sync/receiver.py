@@ -4,9 +4,12 @@ Used inside a generator's engine: vLLM's worker (`actors.vllm_worker.WorkerExten
 plain transformers backend (`receive_into_model`). A member's steps (the keys and the attempts
 are in `weight_sync/round.py`):
 
-1. say `join/<rank>`, and take the receive buffers (reused between rounds when the layout matches);
-2. wait for attempt k's roster; left out (or `abort`): `RoundMissed`, nothing loaded;
-3. build attempt k's group and receive every bucket from group rank 0;
+1. say `join/<rank>` (as `shm` when the round's shared-memory segment is on this host and this
+   process can open it: then it copies the version from there, `_read_shm`, and skips 2-4), and take the receive buffers (reused between rounds when the layout matches);
+2. wait for attempt k's roster; left out (or `abort`): `RoundMissed`, nothing loaded; say `ready`
+   and wait for the sender's `go` (or attempt k+1's roster, when another member never answered);
+3. build attempt k's group and receive every unit (`buckets.units`) from group rank 0 into its
+   place in the buckets;
 4. report `ok` and return the buckets; on a failed broadcast report `err` and wait for attempt k+1.
 
 A round whose `info.adapter` is set carries a LoRA adapter (peft's tensor names): vLLM loads it
@@ -22,6 +25,7 @@ import time
 from typing import Any
 
 from weight_sync import buckets as bk
+from weight_sync import shm
 from weight_sync.messages import Adapter, RoundInfo, round_info
 from weight_sync.round import RoundMissed, RoundStore, dispose
 
@@ -53,10 +57,11 @@ def receive_buckets(info: RoundInfo, local_rank: int = 0, device: Any = "cpu",
     deadline = t0 + info.timeout_s
     rank = info.rank + local_rank
     try:
-        rs = RoundStore(info.host, info.port, info.round_id, deadline - time.monotonic())
+        rs = RoundStore(info.host, info.port, info.round_id, deadline - time.monotonic(), info.secret)
     except Exception as e:  # sender gone
         raise RoundMissed(f"rank {rank}: cannot reach the rendezvous store {info.host}:{info.port}: {e}") from None
-    rs.join(rank)
+    via_shm = str(device) == "cpu" and info.shm is not None and shm.usable(info.shm)
+    rs.join(rank, shm=via_shm)
     sizes = list(info.manifest.buckets)
     if buffers is not None and [b.numel() for b in buffers] == sizes and all(
             b.device == torch.device(device) for b in buffers):
@@ -65,6 +70,8 @@ def receive_buckets(info: RoundInfo, local_rank: int = 0, device: Any = "cpu",
         bufs = [torch.empty(n, dtype=torch.uint8, device=device) for n in sizes]
         if buffers is not None:
             buffers[:] = bufs
+    if via_shm:
+        return _read_shm(info, rs, rank, bufs, deadline, t0)
     attempt = 0
     while True:
         roster = rs.wait_roster(attempt, deadline)
@@ -75,11 +82,17 @@ def receive_buckets(info: RoundInfo, local_rank: int = 0, device: Any = "cpu",
             raise RoundMissed(f"rank {rank}: left out of round {info.round_id} (attempt {attempt})")
         pg = None
         try:
+            rs.set_ready(attempt, rank)
+            if not rs.wait_go(attempt, deadline):  # someone never answered: the next attempt goes on without it
+                attempt += 1
+                continue
             pg = rs.group(info.backend, attempt, 1 + roster.ranks.index(rank), 1 + len(roster.ranks), deadline)
             t_bcast = time.monotonic()
-            for b in bufs:
-                if b.numel():
-                    pg.broadcast(b, 0).wait()
+            # every unit's collective issued at once, in the sender's order (buckets.units)
+            works = [pg.broadcast(view, 0) for view in bk.targets(info.manifest, bufs)]
+            for work in works:
+                work.wait()
+            del works
             _sync_device(device)
             recv_s = time.monotonic() - t_bcast
             rs.report(attempt, rank, ok=True)
@@ -94,9 +107,28 @@ def receive_buckets(info: RoundInfo, local_rank: int = 0, device: Any = "cpu",
             continue
         dispose(pg)
         del pg
-        stats = {"recv_s": recv_s, "join_to_done_s": time.monotonic() - t0, "attempts": attempt + 1,
+        stats = {"recv_s": recv_s, "join_to_done_s": time.monotonic() - t0, "attempts": attempt + 1, "via": "broadcast",
                  "bytes": info.manifest.total_bytes, "buckets": len(bufs)}
         return bufs, stats
+
+
+def _read_shm(info: RoundInfo, rs: RoundStore, rank: int, bufs: list, deadline: float, t0: float):
+    """The same-host path of `receive_buckets`: wait for the segment's roster, copy, report."""
+    roster = rs.wait_shm_roster(deadline)
+    if roster is None:
+        raise RoundMissed(f"rank {rank}: no roster for round {info.round_id} (shared memory) within {info.timeout_s}s")
+    if rank not in roster.ranks:
+        raise RoundMissed(f"rank {rank}: left out of round {info.round_id} (shared memory)")
+    t_read = time.monotonic()
+    try:
+        shm.read(info.shm, info.version, info.manifest, bufs)
+    except RoundMissed:
+        rs.report("shm", rank, ok=False)
+        raise
+    recv_s = time.monotonic() - t_read
+    rs.report("shm", rank, ok=True)
+    return bufs, {"recv_s": recv_s, "join_to_done_s": time.monotonic() - t0, "attempts": 1, "via": "shm",
+                  "bytes": info.manifest.total_bytes, "buckets": len(bufs)}
 
 
 def load_disk(info: RoundInfo, device: Any = "cpu") -> list[tuple[str, Any]]:

@@ -1,13 +1,27 @@
 """One round's data plane, as both ends see it: the rendezvous keys, the roster, the group.
 
 The sender (learner rank 0) runs a `TCPStore` server that lives as long as it does
-(`store_server`); every key of round R sits under `ws/r<R>/` on it:
+(`store_server`); every key of round R sits under `ws/<secret>/r<R>/` on it, where `secret` is
+the sender's random prefix, which only the service and the round's members learn (in `Ready` and
+`RoundInfo`, over CurveZMQ when it is on): a stranger who reaches the store has no key to join a
+roster or a group by, since a TCPStore cannot list its keys.
 
-    member rank r       join/<r> = 1                      "I am here" (the sender waits join_timeout_s)
+    member rank r       join/<r> = 1 | shm                "I am here" (the sender waits join_timeout_s);
+                                                          shm: "I read the sender's segment instead"
+    sender              shm/roster = Roster(ranks)        the segment holds the version; these reads count
     sender              a<k>/roster = Roster(ranks, abort) attempt k's members, in group-rank order
+    member rank r       a<k>/ready/<r> = 1                about to build the group
+    sender              a<k>/go = 1                       every rank is ready (else: roster k+1)
     everyone in roster  a<k>/pg/...                       a fresh ProcessGroupGloo / NCCL per attempt
     sender              broadcast bucket 0, 1, ... from group rank 0
     member rank r       a<k>/done/<r> = ok | err
+    shm member rank r   ashm/done/<r> = ok | err         its copy out of the segment
+
+A member that joined and then never answers (hung, or gone between join and roster) would hold
+everyone's group set-up until the deadline (a group is built by all its ranks or none). So the
+group is built only after every rank of the roster said `ready`: the sender waits
+`setup_timeout_s` for that, then either says `go` or writes attempt k+1's roster without the
+silent ones, which the others, waiting for `go`, take up at once.
 
 A member that dies mid-broadcast makes the others' broadcast fail (gloo reports "connection reset"
 within milliseconds, and each side tearing its group down spreads the error); those report `err`,
@@ -54,25 +68,81 @@ _ROSTER = msgspec.msgpack.Decoder(Roster)
 class RoundStore:
     """Round `round_id`'s keys on the sender's store, through one store client."""
 
-    def __init__(self, host: str, port: int, round_id: int, timeout_s: float):
+    def __init__(self, host: str, port: int, round_id: int, timeout_s: float, secret: str = ""):
         from torch.distributed import PrefixStore
 
         self.host, self.port, self.round_id = host, port, round_id
-        self.prefix = f"ws/r{round_id}"
+        self.prefix = f"ws/{secret}/r{round_id}" if secret else f"ws/r{round_id}"
         self.store = PrefixStore(self.prefix, open_store(host, port, timeout_s))
 
     # ---- joining --------------------------------------------------------------------------
 
-    def join(self, rank: int) -> None:
-        self.store.set(f"join/{rank}", b"1")
+    def join(self, rank: int, shm: bool = False) -> None:
+        """Say "here"; `shm`: this rank reads the version from the sender's shared memory."""
+        self.store.set(f"join/{rank}", b"shm" if shm else b"1")
 
-    def joined(self, rank: int) -> bool:
-        return self.store.check([f"join/{rank}"])
+    def joined(self, rank: int) -> str | None:
+        """How member `rank` joined: "shm", "broadcast", or None (not yet)."""
+        if not self.store.check([f"join/{rank}"]):
+            return None
+        return "shm" if self.store.get(f"join/{rank}") == b"shm" else "broadcast"
+
+    # ---- the shared-memory members (weight_sync/shm.py) -------------------------------------
+
+    def set_shm_roster(self, ranks: list[int]) -> None:
+        """The ranks whose reads of the segment count (the version is in it once this is set)."""
+        self.store.set("shm/roster", msgspec.msgpack.encode(Roster(list(ranks))))
+
+    def wait_shm_roster(self, deadline: float, poll_s: float = 0.002) -> Roster | None:
+        """The shared-memory roster; an abort of attempt 0 (the round is off) as an empty one."""
+        while True:
+            if self.store.check(["shm/roster"]):
+                return _ROSTER.decode(self.store.get("shm/roster"))
+            if self.store.check(["a0/roster"]) and _ROSTER.decode(self.store.get("a0/roster")).abort:
+                # the sender sets the abort right after the shared-memory roster when nobody takes
+                # the broadcast: look again, or a reader between the two checks would miss it
+                if self.store.check(["shm/roster"]):
+                    continue
+                return Roster([], abort=True)
+            if time.monotonic() >= deadline:
+                return None
+            time.sleep(poll_s)
 
     # ---- the roster of each attempt --------------------------------------------------------
 
     def set_roster(self, attempt: int, ranks: list[int], abort: bool = False) -> None:
         self.store.set(f"a{attempt}/roster", msgspec.msgpack.encode(Roster(list(ranks), abort)))
+
+    # ---- before the group: every member of the roster says it is about to build it ---------
+
+    def set_ready(self, attempt: int, rank: int) -> None:
+        self.store.set(f"a{attempt}/ready/{rank}", b"1")
+
+    def wait_ready(self, attempt: int, ranks: list[int], deadline: float) -> set[int]:
+        """The ranks of `ranks` that said `ready` for attempt `attempt` by `deadline`."""
+        left, sleep = set(ranks), 0.001
+        while left:
+            left -= {r for r in left if self.store.check([f"a{attempt}/ready/{r}"])}
+            if not left or time.monotonic() >= deadline:
+                break
+            time.sleep(sleep)
+            sleep = min(sleep * 1.5, 0.005)
+        return set(ranks) - left
+
+    def set_go(self, attempt: int) -> None:
+        self.store.set(f"a{attempt}/go", b"1")
+
+    def wait_go(self, attempt: int, deadline: float) -> bool:
+        """True once the sender builds attempt `attempt`'s group; False when it moved on to the
+        next attempt instead (someone of the roster never said ready) or the deadline passed."""
+        sleep = 0.001
+        while True:
+            if self.store.check([f"a{attempt}/go"]):
+                return True
+            if self.store.check([f"a{attempt + 1}/roster"]) or time.monotonic() >= deadline:
+                return False
+            time.sleep(sleep)
+            sleep = min(sleep * 1.5, 0.005)
 
     def wait_roster(self, attempt: int, deadline: float) -> Roster | None:
         """Attempt `attempt`'s roster, or None if none came by `deadline` (monotonic)."""
@@ -95,10 +165,11 @@ class RoundStore:
         pg_store = PrefixStore(f"{self.prefix}/a{attempt}/pg", open_store(self.host, self.port, timeout_s))
         return make_group(backend, pg_store, group_rank, world_size, deadline - time.monotonic())
 
-    def report(self, attempt: int, rank: int, ok: bool) -> None:
+    def report(self, attempt: int | str, rank: int, ok: bool) -> None:
+        """Member `rank`'s outcome of attempt `attempt` ("shm": of its read of the segment)."""
         self.store.set(f"a{attempt}/done/{rank}", b"ok" if ok else b"err")
 
-    def report_of(self, attempt: int, rank: int) -> bool | None:
+    def report_of(self, attempt: int | str, rank: int) -> bool | None:
         """Whether member `rank` received attempt `attempt` (None: it has not said yet)."""
         key = f"a{attempt}/done/{rank}"
         if not self.store.check([key]):

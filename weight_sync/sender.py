@@ -1,4 +1,4 @@
-"""The sending end, on learner rank 0: pack the weights into buckets and broadcast each round.
+"""The sending end, on learner rank 0: broadcast each version, straight from the learner's tensors.
 
     sender = WeightSender.from_config(cfg)                 # cfg: the `weight_sync:` section
     stats = sender.publish(step, model_named_full_tensors)  # HF names, full CPU tensors
@@ -10,17 +10,23 @@ not received everything by the deadline (`weight_sync/round.py` has the round's 
 member dying mid-broadcast is survived). It never waits for a generator to finish a batch: one
 still busy after `join_timeout_s` is caught up later, as below.
 
+Nothing is packed before the broadcast: members receive into their bucket layout (`buckets.py`),
+and each large tensor goes out from the tensor `publish` was given (small ones share a staging
+buffer). `publish` keeps references to those tensors (not copies) for catch-up rounds, so they
+must not change afterwards: pass fresh copies, as the learner's gather does
+(`learner.engine.iter_full_params` yields `.to("cpu", copy=True)`), never live parameters.
+
 Catch-up rounds. A generator that is behind the current version (a newcomer, or one that missed
 a round because it was busy or late) is offered a catch-up round at its next poll. The sender
-keeps the latest packed buckets (`keep_latest`, one model copy in host memory) and serves those
+keeps the latest version's tensors (`keep_latest`, one model copy in host memory) and serves those
 rounds from a background thread (`serve_in_background`): it asks the service every
-`serve_interval_s` whether a catch-up round is pending and broadcasts the retained buckets to its
+`serve_interval_s` whether a catch-up round is pending and broadcasts the retained tensors to its
 members. The learner's loop is never involved, and a new generator gets the current weights
 within about `serve_interval_s` plus one transfer, even while the learner waits for data. Without
 the thread, the learner calls `serve_pending()` once per step. Rounds never overlap: a lock
 serialises publish and catch-up, and a publish waiting on it still keeps its own deadline.
 
-Disk backend: the buckets' tensors go to `<disk_dir>/v<version>/model.safetensors` (written to a
+Disk backend: the tensors go to `<disk_dir>/v<version>/model.safetensors` (written to a
 temporary folder, then renamed) and the round carries the path; the sender does not wait for
 anyone, and the service serves catch-ups from the latest folder by itself.
 """
@@ -31,6 +37,7 @@ import copy
 import json
 import logging
 import os
+import secrets
 import shutil
 import socket
 import threading
@@ -43,8 +50,9 @@ from common.channel import Channel
 from weight_sync import buckets as bk
 from weight_sync.client import ask, channel
 from weight_sync.config import WeightSyncConfig
-from weight_sync.messages import Adapter, Go, Idle, PendingRequest, Ready, RoundResult, RoundStats
+from weight_sync.messages import Adapter, Go, Idle, PendingRequest, Ready, RoundResult, RoundStats, SameHost
 from weight_sync.round import RoundStore, dispose, store_server
+from weight_sync.shm import Segment, host_id
 
 log = logging.getLogger("conveyor.weight_sync.sender")
 
@@ -106,7 +114,14 @@ class WeightSender:
         self._tls = threading.local()  # one control socket per thread
         self._lock = threading.Lock()  # one round at a time
         self._store = None  # the rendezvous store's server, opened on the first group round
-        self._latest: tuple[int, bk.Manifest, list] | None = None  # (version, manifest, buckets)
+        # Every key of it is under this prefix, which only the service and the rounds' members get
+        # (over CurveZMQ when it is on): a stranger who reaches the store cannot find a key to join
+        # a roster or a group by (the store has no way to list its keys).
+        self._secret = secrets.token_hex(16)
+        # the shared-memory segment for generators on this host (weight_sync/shm.py)
+        self._segment = Segment(cfg.shm_dir, sender_id) if cfg.same_host != "broadcast" and backend != "disk" \
+            else None
+        self._latest: tuple[int, bk.Manifest, list] | None = None  # (version, manifest, unit sources)
         self._last_pending_call: float | None = None
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -145,18 +160,19 @@ class WeightSender:
             return self._finish(stats, t0)
         try:
             t_pack = time.monotonic()
-            # the retained buckets of the previous version are overwritten in place (same layout)
-            reuse = self._latest[2] if self._latest is not None else None
-            self._latest = None
-            buckets = bk.pack(manifest, tensors, out=reuse)
-            del tensors, reuse
+            self._latest = None  # the previous version's tensors are released first
+            # no pack: large tensors go out from the learner's memory, runs of small ones staged
+            sources = bk.sources(manifest, tensors)
             stats["pack_s"] = time.monotonic() - t_pack
-            self._latest = (version, manifest, buckets) if self.keep_latest and self.backend != "disk" else None
+            self._latest = (version, manifest, sources) if self.keep_latest and self.backend != "disk" else None
             if self.backend == "disk":
-                return self._finish(self._publish_disk(version, manifest, buckets, stats, deadline, adapter), t0)
+                named = list(zip(manifest.names, tensors))
+                return self._finish(self._publish_disk(version, manifest, named, stats, deadline, adapter), t0)
+            del tensors
             store = self._server()
             ready = Ready(self.sender_id, version, self.backend, manifest, self.advertise_host, store.port, "",
-                          self.keep_latest, self.timeout_s, self.join_timeout_s, adapter=adapter)
+                          self.keep_latest, self.timeout_s, self.join_timeout_s, adapter=adapter,
+                          shm=self._same_host(manifest), secret=self._secret)
             try:
                 go = ask(self._channel(), ready, timeout_s=max(0.001, deadline - time.monotonic()))
             except Exception as e:  # the service is down or refused: the learner goes on
@@ -165,7 +181,7 @@ class WeightSender:
             assert isinstance(go, Go)
             for rid in go.cancelled:  # unclaimed catch-up rounds of the previous version: release them
                 self._abort(rid)
-            stats.update(self._run_round(go, manifest, buckets, self._round_deadline(deadline)))
+            stats.update(self._run_round(go, manifest, sources, self._round_deadline(deadline)))
             self._report(go, stats, deadline)
             return self._finish(stats, t0)
         finally:
@@ -189,7 +205,7 @@ class WeightSender:
             latest = self._latest
             if latest is None or self.backend == "disk":
                 return None
-            version, manifest, buckets = latest
+            version, manifest, sources = latest
             try:  # a short wait: this runs every step (or every tick), and must not stall on a dead service
                 reply = ask(self._channel(), PendingRequest(self.sender_id, version, next_within),
                             timeout_s=min(self.timeout_s, 2.0))
@@ -202,7 +218,7 @@ class WeightSender:
             t0 = time.monotonic()
             deadline = t0 + self.timeout_s
             stats = {"version": version, "backend": self.backend, "bytes": manifest.total_bytes,
-                     "buckets": len(buckets), "tensors": len(manifest.tensors), "gather_s": 0.0,
+                     "buckets": len(manifest.buckets), "tensors": len(manifest.tensors), "gather_s": 0.0,
                      "catch_up": True, "error": ""}
             if reply.version != version:  # a publish overtook it: nobody may load a mislabelled version
                 self._abort(reply.round_id)
@@ -210,7 +226,7 @@ class WeightSender:
                 stats.update(round_id=reply.round_id, members=workers, ok=[], failed=[], missed=workers,
                              error=f"round asked for v{reply.version}")
             else:
-                stats.update(self._run_round(reply, manifest, buckets, self._round_deadline(deadline)))
+                stats.update(self._run_round(reply, manifest, sources, self._round_deadline(deadline)))
             self._report(reply, stats, deadline)
             return self._finish(stats, t0)
         finally:
@@ -225,6 +241,8 @@ class WeightSender:
             ch.close()
         self._store = None
         self._latest = None
+        if self._segment is not None:
+            self._segment.close()
 
     def __enter__(self) -> "WeightSender":
         return self
@@ -246,7 +264,7 @@ class WeightSender:
         return self._store
 
     def _round_store(self, round_id: int, timeout_s: float) -> RoundStore:
-        return RoundStore(self.advertise_host, self._server().port, round_id, timeout_s)
+        return RoundStore(self.advertise_host, self._server().port, round_id, timeout_s, self._secret)
 
     def _finish(self, stats: dict, t0: float) -> dict:
         stats["total_s"] = time.monotonic() - t0
@@ -258,6 +276,18 @@ class WeightSender:
     def _abort(self, round_id: int) -> None:
         """Release members waiting on a round that will not run."""
         self._round_store(round_id, 5.0).set_roster(0, [], abort=True)
+
+    def _same_host(self, manifest: bk.Manifest) -> SameHost | None:
+        """The segment's description for the round (its file exists, sized for `manifest`)."""
+        if self._segment is None:
+            return None
+        try:
+            self._segment.ensure(manifest)
+        except OSError as e:  # no room in /dev/shm: everyone takes the broadcast
+            log.warning("no shared-memory segment in %s (%s): same-host generators take the broadcast",
+                        self.cfg.shm_dir, e)
+            return None
+        return SameHost(self._segment.path, self._segment.nonce, host_id(), self.cfg.same_host == "shm")
 
     def _round_deadline(self, deadline: float) -> float:
         """The data plane stops a little before `deadline`, so the round's report still fits."""
@@ -272,7 +302,7 @@ class WeightSender:
         except Exception as e:
             stats["error"] = (stats.get("error") or "") + f" (round_result not delivered: {e})"
 
-    def _run_round(self, go: Go, manifest: bk.Manifest, buckets: list, deadline: float) -> dict:
+    def _run_round(self, go: Go, manifest: bk.Manifest, sources: list, deadline: float) -> dict:
         """Join, broadcast (with retries), collect; returns the round's part of the stats."""
         out = {"round_id": go.round_id, "members": [m.worker_id for m in go.members], "ok": [], "missed": [],
                "failed": [], "join_s": 0.0, "broadcast_s": 0.0, "attempts": 0,
@@ -286,13 +316,26 @@ class WeightSender:
         t_join = time.monotonic()
         join_deadline = min(t_join + self.join_timeout_s, deadline)
         pending = set(owner)
+        via: dict[int, str] = {}  # rank -> "shm" | "broadcast"
         while pending and time.monotonic() < join_deadline:
-            pending -= {r for r in pending if rs.joined(r)}
+            for r in list(pending):
+                kind = rs.joined(r)
+                if kind is not None:
+                    via[r] = kind
+                    pending.discard(r)
             if pending:
                 time.sleep(0.005)
         absent_workers = {owner[r] for r in pending}
-        todo = sorted(r for r in owner if owner[r] not in absent_workers)
+        present = sorted(r for r in owner if owner[r] not in absent_workers)
+        shm_ranks = [r for r in present if via.get(r) == "shm"]
+        todo = [r for r in present if via.get(r) != "shm"]
         out["join_s"] = time.monotonic() - t_join
+
+        # 1b. members on this host: the version into the shared-memory segment, once
+        if shm_ranks:
+            out["shm_s"] = self._segment.write(go.version, manifest, sources) if self._segment.written != go.version \
+                else 0.0
+            rs.set_shm_roster(shm_ranks)
 
         # 2. attempts: broadcast to `todo`; whoever reports `err` is retried, silence means dead
         ok_ranks: set[int] = set()
@@ -301,12 +344,19 @@ class WeightSender:
         t_bcast = time.monotonic()
         while todo:
             rs.set_roster(attempt, todo)
-            err, setup_s, transfer_s, pg = self._broadcast(rs, attempt, todo, buckets, deadline)
+            ready = rs.wait_ready(attempt, todo, min(deadline, time.monotonic() + self.cfg.setup_timeout_s))
+            if len(ready) < len(todo):  # silent since they joined: the others go on without them
+                dead_ranks |= set(todo) - ready
+                todo = sorted(ready)
+                attempt += 1
+                continue
+            rs.set_go(attempt)
+            err, setup_s, transfer_s, pg = self._broadcast(rs, attempt, todo, sources, deadline)
             out["setup_s"] += setup_s
             out["transfer_s"] += transfer_s
             t_confirm = time.monotonic()
             reports = self._collect(rs, attempt, todo, deadline,
-                                    grace_s=max(2.0, setup_s + transfer_s) if err else None)
+                                    grace_s=max(5.0, 2 * (setup_s + transfer_s)) if err else None)
             out["confirm_s"] += time.monotonic() - t_confirm
             dispose(pg)  # after the reports: a group torn down early could fail a member still receiving
             del pg
@@ -321,6 +371,10 @@ class WeightSender:
         rs.set_roster(attempt, [], abort=True)  # releases anyone still waiting
         out["broadcast_s"] = time.monotonic() - t_bcast
         out["attempts"] = attempt
+        if shm_ranks:  # their reads ran alongside the broadcast; silence by the deadline means failed
+            reports = self._collect(rs, "shm", shm_ranks, deadline, None)
+            ok_ranks |= {r for r, ok in reports.items() if ok}
+            dead_ranks |= {r for r in shm_ranks if not reports.get(r)}
         failed = {owner[r] for r in dead_ranks} | {owner[r] for r in owner
                                                    if owner[r] not in absent_workers and r not in ok_ranks}
         out["missed"] = sorted(absent_workers)
@@ -328,11 +382,14 @@ class WeightSender:
         out["ok"] = sorted({owner[r] for r in owner} - absent_workers - failed)
         return out
 
-    def _broadcast(self, rs: RoundStore, attempt: int, todo: list[int], buckets: list, deadline: float):
+    def _broadcast(self, rs: RoundStore, attempt: int, todo: list[int], sources: list, deadline: float):
         """One attempt as group rank 0; returns (error or "", setup seconds, transfer seconds, group).
 
-        On error the group is already torn down (its closed connections make peers still waiting
-        on us fail fast); otherwise the caller disposes of it."""
+        Every unit's collective is issued before the first is waited for (gloo and NCCL run them in
+        order), so no collective waits for the previous one's round trip. On NCCL, host sources
+        are copied to the device as they go, at most ~`bucket_bytes` ahead of the oldest
+        unfinished collective. On error the group is already torn down (its closed connections
+        make peers still waiting on us fail fast); otherwise the caller disposes of it."""
         import torch
 
         t0 = time.monotonic()
@@ -340,12 +397,21 @@ class WeightSender:
         try:
             pg = rs.group(self.backend, attempt, 0, 1 + len(todo), deadline)
             t1 = time.monotonic()
-            for b in buckets:
-                if not b.numel():
-                    continue
-                if self.backend == "nccl":
-                    b = b.to(torch.device("cuda", torch.cuda.current_device()), non_blocking=True)
-                pg.broadcast(b, 0).wait()
+            inflight: list = []  # (work, bytes it holds on the device)
+            held = 0
+            for src in sources:
+                dev = 0
+                if self.backend == "nccl" and src.device.type != "cuda":
+                    src = src.to(torch.device("cuda", torch.cuda.current_device()), non_blocking=True)
+                    dev = src.numel()
+                inflight.append((pg.broadcast(src, 0), dev))
+                held += dev
+                while held > self.bucket_bytes and len(inflight) > 1:
+                    work, n = inflight.pop(0)
+                    work.wait()
+                    held -= n
+            for work, _ in inflight:
+                work.wait()
             if self.backend == "nccl":
                 torch.cuda.synchronize()
             return "", t1 - t0, time.monotonic() - t1, pg
@@ -368,14 +434,14 @@ class WeightSender:
                     continue
                 reports[r] = ok
                 if not ok and grace_s is None:  # trouble: others get a grace period
-                    grace_s = 2.0
+                    grace_s = 5.0
                     stop = min(deadline, time.monotonic() + grace_s)
             if len(reports) == len(todo) or time.monotonic() >= stop:
                 return reports
             time.sleep(sleep)
             sleep = min(sleep * 1.5, 0.005)
 
-    def _publish_disk(self, version: int, manifest: bk.Manifest, buckets: list, stats: dict,
+    def _publish_disk(self, version: int, manifest: bk.Manifest, named: list, stats: dict,
                       deadline: float, adapter: Adapter | None = None) -> dict:
         from safetensors.torch import save_file
 
@@ -386,8 +452,8 @@ class WeightSender:
         tmp = final + f".tmp{os.getpid()}"
         shutil.rmtree(tmp, ignore_errors=True)
         os.makedirs(tmp)
-        # clone: safetensors refuses tensors that share storage (the views share their bucket)
-        save_file({n: t.clone() for n, t in bk.unpack(manifest, buckets)}, os.path.join(tmp, "model.safetensors"),
+        # clone: safetensors refuses tensors that share storage (a tied embedding, a caller's views)
+        save_file({n: t.detach().cpu().clone() for n, t in named}, os.path.join(tmp, "model.safetensors"),
                   metadata={"version": str(version)})
         with open(os.path.join(tmp, "manifest.json"), "w") as f:
             json.dump({"version": version, "manifest": msgspec.to_builtins(manifest)}, f)

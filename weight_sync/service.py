@@ -34,7 +34,7 @@ import msgspec
 import zmq
 
 from common.curve import ROLES, role_of, role_refusal
-from common.guards import MemoryGuard, WarnLimiter
+from common.guards import MemoryGuard, WarnLimiter, raise_open_files_limit
 from common.ready import mark_ready
 from common.zap import Guard, server_guard
 from weight_sync.config import WeightSyncConfig, endpoint
@@ -93,6 +93,7 @@ class Round:
     next_rank: int = 1
     state: str = "forming"  # forming (catch-up, unclaimed) | running | closed
     created: float = 0.0
+    unclaimed: int = 0  # a publish round's offers not yet picked up by their generators' polls
 
 
 class SyncState:
@@ -108,6 +109,7 @@ class SyncState:
         self.sender_serving_until = 0.0
         self.next_round_id = 1
         self.last_round: dict = {}
+        self.last_fanout: dict = {}  # the latest publish round whose every offer was picked up, and how fast
         self.counts = {"rounds": 0, "catch_up_rounds": 0, "errors": 0, "dropped": 0}
         self._handlers = {Register: self.on_register, Poll: self.on_poll, Done: self.on_done,
                           Unregister: self.on_unregister, Ready: self.on_ready, PendingRequest: self.on_pending,
@@ -156,6 +158,7 @@ class SyncState:
         g.version = m.version
         if g.offer is not None:
             info, g.offer = g.offer, None
+            self._claimed(info.round_id)
             return Offer(info)
         if g.round_id is not None:  # polling again: it is done with the round it was handed
             self._leave(g)
@@ -202,7 +205,8 @@ class SyncState:
         info = RoundInfo(r.round_id, r.version, cur.backend, self.cfg.mode, cur.timeout_s, r.catch_up, cur.manifest,
                          bucket_bytes=max(cur.manifest.buckets, default=0), host=cur.host, port=cur.port,
                          path=cur.path, rank=r.next_rank, local_world_size=g.world_size,
-                         world_size=r.next_rank + g.world_size, adapter=cur.adapter)
+                         world_size=r.next_rank + g.world_size, adapter=cur.adapter, shm=cur.shm,
+                         secret=cur.secret)
         r.next_rank += g.world_size
         g.round_id = r.round_id
         return info
@@ -227,6 +231,7 @@ class SyncState:
         for g in self.generators.values():
             if self._eligible(g):
                 g.offer = self._add(r, g)  # replaces any older offer never picked up
+        r.unclaimed = len(r.members)
         self.counts["rounds"] += 1
         members = [Member(wid, rank, self.generators[wid].world_size) for wid, rank in r.members.items()]
         if m.backend == "disk":  # nothing to coordinate: members read the folder at their next poll
@@ -234,6 +239,17 @@ class SyncState:
             self.last_round = {"round_id": r.round_id, "version": m.version, "backend": "disk",
                                "members": [x.worker_id for x in members], "path": m.path}
         return Go(r.round_id, m.version, members, r.next_rank, False, cancelled)
+
+    def _claimed(self, round_id: int) -> None:
+        """One offer of publish round `round_id` picked up; the last one gives the round's fan-out
+        (from `ready` to every member holding its offer: what polling costs a publish)."""
+        r = self.rounds.get(round_id)
+        if r is None or r.unclaimed <= 0:
+            return
+        r.unclaimed -= 1
+        if not r.unclaimed:
+            self.last_fanout = {"round_id": r.round_id, "version": r.version, "members": len(r.members),
+                                "fanout_s": round(self.clock() - r.created, 4)}
 
     def _catch_up(self, g: Generator) -> RoundInfo | None:
         cur = self.current
@@ -283,6 +299,8 @@ class SyncState:
                 g.absent = True
                 if g.offer is not None and g.offer.round_id == m.round_id:
                     g.offer = None  # never picked up: its next poll gets a catch-up instead
+                    if r is not None:
+                        r.unclaimed -= 1
         self.last_round = {"round_id": m.round_id, "version": m.version, "ok": list(m.ok), "missed": list(m.missed),
                            "failed": list(m.failed), **msgspec.structs.asdict(m.stats)}
         return Ack(f"round {m.round_id} closed")
@@ -306,6 +324,7 @@ class SyncState:
             "generators": gens,
             "max_lag": max(lags, default=0),
             "last_round": dict(self.last_round),
+            "last_fanout": dict(self.last_fanout),
             **self.counts,
         }
 
@@ -319,6 +338,7 @@ class SyncState:
 RCV_HWM = 16
 SND_HWM = 1024
 POLL_MS = 100
+DRAIN = 256  # requests served per wake-up before the stop flag and the memory guard are looked at
 
 
 class WeightSyncService:
@@ -374,7 +394,11 @@ class WeightSyncService:
         try:
             while not self._stop.is_set():
                 if sock.poll(POLL_MS, zmq.POLLIN):
-                    self._serve_one(sock)
+                    # what is queued is served before polling again: one poll per burst, not per request
+                    # (a publish to 1,000 generators is answered by as many polls within its poll interval)
+                    for _ in range(DRAIN):
+                        if not self._serve_one(sock):
+                            break
                 if memory is not None and memory.over():
                     self.state.counts["memory_resets"] += 1
                     log.warning("the weight-sync service grew past its memory budget (a peer sending a message "
@@ -387,11 +411,12 @@ class WeightSyncService:
             if self.guard is not None:
                 self.guard.close()
 
-    def _serve_one(self, sock: zmq.Socket) -> None:
+    def _serve_one(self, sock: zmq.Socket) -> bool:
+        """Answer the next request queued on `sock`; False when there was none."""
         try:
             frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
         except zmq.Again:
-            return
+            return False
         who = Guard.who(frames[-1]) if self.guard is not None else None
         try:
             reply = encode(self._answer([f.bytes for f in frames[1:]], who))
@@ -401,6 +426,7 @@ class WeightSyncService:
             reply = encode(Error("internal error in the weight-sync service", ""))
         # a ROUTER never blocks: a reply to a peer past SND_HWM (it does not read) is dropped
         sock.send_multipart([frames[0], b"", reply], zmq.NOBLOCK)
+        return True
 
     def _answer(self, body: list[bytes], who: str | None = None):
         try:
@@ -447,6 +473,7 @@ def serve(cfg: WeightSyncConfig) -> None:
     """Run the service until SIGINT/SIGTERM."""
     import signal
 
+    raise_open_files_limit(log)  # one descriptor per connected generator
     service = WeightSyncService(cfg, guard_memory=True)
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: service.stop())

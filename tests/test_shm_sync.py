@@ -1,0 +1,154 @@
+"""The same-host path (weight_sync/shm.py) and the round's data plane around it: the segment's
+seqlock, the shared-memory round against the broadcast round, and a member that never answers.
+
+Sender, service and members run in threads of this process (gloo between threads works too).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+
+from test_weight_sync_unit import service  # noqa: F401 (the live service fixture, one per test)
+from weight_sync import buckets as bk
+from weight_sync import shm
+from weight_sync.client import GeneratorSyncClient
+from weight_sync.messages import SameHost
+from weight_sync.receiver import receive_buckets
+from weight_sync.round import RoundMissed, RoundStore
+from weight_sync.sender import WeightSender
+
+
+def _named() -> list[tuple[str, torch.Tensor]]:
+    g = torch.Generator().manual_seed(0)
+    # large tensors (their own unit), a run of small ones (one staged unit), a bf16 and an int tensor
+    return ([("emb", torch.randn(600, 512, generator=g)), ("norm0", torch.randn(512, generator=g)),
+             ("norm1", torch.randn(7, generator=g)), ("w", torch.randn(512, 520, generator=g).bfloat16()),
+             ("steps", torch.arange(5, dtype=torch.int64))])
+
+
+def test_units_cover_every_byte_once_and_stage_only_small_runs():
+    named = _named()
+    manifest = bk.plan(bk.specs_of(named)[0], 1 << 30)
+    units = bk.units(manifest)
+    # emb (1.2 MB) alone; norm0, norm1 (2 KiB + 28 B, both < 1 MiB) together; w (532 KB) and steps together
+    assert [(u.first, u.last) for u in units] == [(0, 1), (1, 4), (4, 5)] or \
+        [(u.first, u.last) for u in units] == [(0, 1), (1, 5)]
+    sources = bk.sources(manifest, [t for _, t in named])
+    assert sources[0].data_ptr() == named[0][1].data_ptr()  # the large tensor is sent from where it is
+    buffers = [torch.zeros(n, dtype=torch.uint8) for n in manifest.buckets]
+    for dst, src in zip(bk.targets(manifest, buffers), sources, strict=True):
+        dst.copy_(src)
+    assert all(torch.equal(a, b) for (_, a), (_, b) in zip(bk.unpack(manifest, buffers), named))
+
+
+def test_segment_round_trip_and_the_seqlock(tmp_path):
+    named = _named()
+    manifest = bk.plan(bk.specs_of(named)[0], 1 << 20)
+    seg = shm.Segment(str(tmp_path), "test")
+    try:
+        seg.ensure(manifest)
+        desc = SameHost(seg.path, seg.nonce, shm.host_id())
+        assert shm.usable(desc)
+        assert not shm.usable(SameHost(seg.path, seg.nonce + 1, shm.host_id()))  # another sender's segment
+        assert not shm.usable(SameHost(seg.path, seg.nonce, "elsewhere/boot"))
+        with pytest.raises(RoundMissed):
+            shm.usable(SameHost(str(tmp_path / "missing"), 1, shm.host_id(), force=True))
+        sources = bk.sources(manifest, [t for _, t in named])
+        for version in (3, 4):  # slots 1 and 0
+            seg.write(version, manifest, sources)
+            bufs = [torch.zeros(n, dtype=torch.uint8) for n in manifest.buckets]
+            shm.read(desc, version, manifest, bufs)
+            assert all(torch.equal(a, b) for (_, a), (_, b) in zip(bk.unpack(manifest, bufs), named))
+        with pytest.raises(RoundMissed, match="holds v3"):
+            shm.read(desc, 5, manifest, bufs)  # slot 1 still holds v3
+        words = seg._mem[:shm.HEADER].view(torch.int64)
+        words[shm._SEQ] += 1  # slot 0 (v4) being written: odd seq
+        with pytest.raises(RoundMissed):
+            shm.read(desc, 4, manifest, bufs)
+    finally:
+        seg.close()
+
+
+def _member(port: int, wid: str, out: dict, rounds: int = 1) -> None:
+    ws = GeneratorSyncClient("127.0.0.1", port, wid)
+    ws.register("transformers")
+    deadline = time.monotonic() + 30
+    got = []
+    while len(got) < rounds and time.monotonic() < deadline:
+        info = ws.poll()
+        if info is None:
+            time.sleep(0.01)
+            continue
+        bufs, stats = receive_buckets(info)
+        ws.done(info.version)
+        got.append((info.version, stats["via"], [b.clone() for b in bufs]))
+    out[wid] = got
+    ws.close()
+
+
+def test_shared_memory_round_is_bit_identical_to_the_broadcast_round(service):
+    """Same version, two rounds: the first through the broadcast (same_host='broadcast'), the
+    second through the segment ('auto' on one host): the members' buckets are byte for byte equal."""
+    svc, port = service
+    named = _named()
+    out: dict = {}
+    t = threading.Thread(target=_member, args=(port, "g0", out, 2))
+    t.start()
+    while "g0" not in svc.state.generators:
+        time.sleep(0.01)
+    with WeightSender("127.0.0.1", port, timeout_s=20, join_timeout_s=10, same_host="broadcast",
+                      serve_in_background=False) as s1:
+        st1 = s1.publish(1, named)
+    with WeightSender("127.0.0.1", port, timeout_s=20, join_timeout_s=10, same_host="auto",
+                      serve_in_background=False) as s2:
+        st2 = s2.publish(2, named)
+    t.join(30)
+    assert st1["ok"] == ["g0"] and st2["ok"] == ["g0"], (st1, st2)
+    assert st2["shm_s"] > 0 and "shm_s" not in st1
+    (v1, via1, b1), (v2, via2, b2) = out["g0"]
+    assert (v1, via1, v2, via2) == (1, "broadcast", 2, "shm")
+    manifest = bk.plan(bk.specs_of(named)[0], 256 << 20)  # both senders' layout
+    got1, got2 = bk.unpack(manifest, b1), bk.unpack(manifest, b2)
+    for (name, sent), (_, a), (_, b) in zip(named, got1, got2, strict=True):
+        assert torch.equal(a.view(torch.uint8), b.view(torch.uint8)), name  # bit for bit, whatever the dtype
+        assert torch.equal(b, sent), name
+
+
+def test_a_member_that_never_answers_does_not_stall_the_others(service):
+    """'ghost' joins the round and then goes silent (never says ready, never builds the group):
+    the round still reaches 'g0' within its timeout, and reports the ghost as failed."""
+    svc, port = service
+    named = _named()
+    ghost = GeneratorSyncClient("127.0.0.1", port, "ghost")
+    ghost.register("transformers")
+    out: dict = {}
+    t = threading.Thread(target=_member, args=(port, "g0", out))
+    t.start()
+    while "g0" not in svc.state.generators:
+        time.sleep(0.01)
+
+    def silent():
+        info = None
+        while info is None:
+            info = ghost.poll()
+            time.sleep(0.01)
+        RoundStore(info.host, info.port, info.round_id, 5, info.secret).join(info.rank)  # ... and nothing more
+
+    threading.Thread(target=silent, daemon=True).start()
+    timeout_s = 8.0
+    with WeightSender("127.0.0.1", port, timeout_s=timeout_s, join_timeout_s=5, setup_timeout_s=1.0,
+                      same_host="broadcast", serve_in_background=False) as sender:
+        t0 = time.monotonic()
+        stats = sender.publish(1, named)
+        took = time.monotonic() - t0
+    t.join(20)
+    assert stats["ok"] == ["g0"] and stats["failed"] == ["ghost"], stats
+    assert took < timeout_s and stats["attempts"] == 2
+    assert out["g0"][0][:2] == (1, "broadcast")
+    manifest = bk.plan(bk.specs_of(named)[0], 256 << 20)
+    assert all(torch.equal(a, b) for (_, a), (_, b) in zip(bk.unpack(manifest, out["g0"][0][2]), named))
+    ghost.close()

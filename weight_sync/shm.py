@@ -1,0 +1,193 @@
+"""Same-host transfer: the sender writes each version once into shared memory; generators on its
+host copy it from there instead of joining the round's broadcast.
+
+The segment is a file in `/dev/shm` that both ends map (`torch.from_file(shared=True)`). The
+sender unlinks it as soon as it is mapped, so its memory is freed when the sender's process ends
+(even by SIGKILL); members open it as `/proc/<sender pid>/fd/<fd>` (same host, same pid namespace
+and user; any other member takes the broadcast):
+
+    bytes [0, 4096)        header, int64 words: MAGIC, nonce (2 words), then per slot s in {0, 1}:
+                           seq_s, version_s (at words 3 + 2s, 4 + 2s)
+    slot 0, slot 1         one version each, laid out as the manifest's buckets one after another
+                           (bucket i at `bases(manifest)[i]`)
+
+Version v is written into slot v % 2 under a seqlock: the writer makes seq_s odd, writes the
+bytes, sets version_s, makes seq_s even again. A reader copies the slot into its own buckets and
+accepts the copy only if seq_s was even, unchanged from before to after the copy, and version_s
+is the round's version: a half-written version is never loaded. With two slots a reader of v is
+disturbed only when the writer laps it (writes v + 2 while the reader still copies v); it then
+raises `RoundMissed` and catches up at the next poll.
+
+Who takes this path: the round's `RoundInfo.shm` names the segment, its nonce and the sender's
+host identity (`host_id`: hostname and boot id). A member takes it when its own host identity is
+the same and the segment it can open carries the same nonce (a container on the same host with a
+private `/dev/shm` sees no such file and joins the broadcast). `weight_sync.same_host` forces
+either side: `broadcast` never offers the segment, `shm` makes a same-host member that cannot
+open it fail instead of falling back.
+
+GPU: the same idea is CUDA IPC (a colocated vLLM maps the sender's device buffer through
+`torch.multiprocessing.reductions.reduce_tensor`, as colocated trainers do); `cuda_ipc_handle`
+and `open_cuda_ipc` below are that step, not yet wired into a round (they need a CUDA device).
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import socket
+from typing import Sequence
+
+from weight_sync import buckets as bk
+from weight_sync.round import RoundMissed
+
+MAGIC = 0x434F4E5659575331  # "CONVYWS1"
+HEADER = 4096  # bytes
+_SEQ, _VERSION = 3, 4  # word of slot 0's seq and version; slot s adds 2s
+
+
+def host_id() -> str:
+    """This machine's identity: hostname and kernel boot id (two containers of one host agree)."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+    except OSError:
+        boot = ""
+    return f"{socket.gethostname()}/{boot}"
+
+
+def bases(manifest: bk.Manifest) -> list[int]:
+    """Byte offset of each bucket inside a slot (buckets back to back, each `bk.ALIGN`-aligned)."""
+    out, pos = [], 0
+    for n in manifest.buckets:
+        out.append(pos)
+        pos += (n + bk.ALIGN - 1) // bk.ALIGN * bk.ALIGN
+    return out + [pos]
+
+
+def _map(path: str, nbytes: int):
+    import torch
+
+    return torch.from_file(path, shared=True, size=nbytes, dtype=torch.uint8)
+
+
+class Segment:
+    """The sender's segment: created for a slot size, written once per version."""
+
+    def __init__(self, folder: str = "/dev/shm", tag: str = "ws"):
+        self.folder, self.tag = folder, tag
+        self.path = ""
+        self.nonce = 0
+        self.slot_bytes = 0
+        self._mem = None
+        self._fd: int | None = None
+        self.written: int | None = None  # the last version written
+
+    def ensure(self, manifest: bk.Manifest) -> None:
+        """A segment whose slots hold `manifest` (a new file, new nonce, when the size changes)."""
+        import torch
+
+        need = bases(manifest)[-1]
+        if self._mem is not None and need == self.slot_bytes:
+            return
+        self.close()
+        st = os.statvfs(self.folder)
+        if st.f_bavail * st.f_frsize < HEADER + 2 * need:
+            # a tmpfs without room would fail the writer's page faults with SIGBUS, not an error
+            raise OSError(f"{self.folder} has {st.f_bavail * st.f_frsize} bytes free, the segment needs "
+                          f"{HEADER + 2 * need}")
+        self.nonce = secrets.randbits(62)
+        name = os.path.join(self.folder, f"conveyor-{self.tag}-{os.getpid()}-{self.nonce:x}")
+        self._fd = os.open(name, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            os.ftruncate(self._fd, HEADER + 2 * need)
+            self._mem = _map(name, HEADER + 2 * need)
+        finally:
+            # unlinked at once: the memory goes back when this process ends, however it ends;
+            # readers open it through this process's descriptor
+            os.unlink(name)
+        self.path = f"/proc/{os.getpid()}/fd/{self._fd}"
+        self.slot_bytes = need
+        words = self._mem[:HEADER].view(torch.int64)
+        words[0], words[1], words[2] = MAGIC, self.nonce, 0
+        for s in (0, 1):
+            words[_SEQ + 2 * s], words[_VERSION + 2 * s] = 0, -1
+        self.written = None
+
+    def write(self, version: int, manifest: bk.Manifest, sources: Sequence) -> float:
+        """Version `version` into slot version % 2 (`sources`: `bk.sources` of the version)."""
+        import time
+
+        import torch
+
+        t0 = time.monotonic()
+        self.ensure(manifest)
+        s = version % 2
+        words = self._mem[:HEADER].view(torch.int64)
+        slot = self._mem[HEADER + s * self.slot_bytes:HEADER + (s + 1) * self.slot_bytes]
+        base = bases(manifest)
+        words[_SEQ + 2 * s] += 1  # odd: being written
+        for u, src in zip(bk.units(manifest), sources, strict=True):
+            at = base[u.bucket] + u.start
+            slot[at:at + src.numel()].copy_(src.cpu())
+        words[_VERSION + 2 * s] = version
+        words[_SEQ + 2 * s] += 1  # even: complete
+        self.written = version
+        return time.monotonic() - t0
+
+    def close(self) -> None:
+        self._mem = None
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+        self.path = ""
+
+
+def usable(shm) -> bool:
+    """Whether this member can take a round through the segment `shm` (a `messages.SameHost`);
+    with `shm.force`, a same-host member that cannot open it raises `RoundMissed` instead."""
+    import torch
+
+    if shm is None or shm.host != host_id():
+        return False
+    try:  # (mapping a missing file would create it)
+        if not os.path.isfile(shm.path):
+            raise OSError(f"no file {shm.path}")
+        words = _map(shm.path, HEADER)[:HEADER].view(torch.int64)
+        ok = int(words[0]) == MAGIC and int(words[1]) == shm.nonce
+    except (OSError, RuntimeError):
+        ok = False
+    if not ok and shm.force:
+        raise RoundMissed(f"weight_sync.same_host='shm' but segment {shm.path} cannot be opened here")
+    return ok
+
+
+def read(shm, version: int, manifest: bk.Manifest, buffers: Sequence) -> None:
+    """Copy version `version` out of the segment into `buffers` (one per bucket); raises
+    `RoundMissed` when the slot does not hold a complete copy of that version."""
+    import torch
+
+    need = bases(manifest)[-1]
+    mem = _map(shm.path, HEADER + 2 * need)
+    words = mem[:HEADER].view(torch.int64)
+    s = version % 2
+    seq = int(words[_SEQ + 2 * s])
+    if seq % 2 or int(words[_VERSION + 2 * s]) != version:
+        raise RoundMissed(f"shared-memory slot {s} holds v{int(words[_VERSION + 2 * s])} (seq {seq}), not v{version}")
+    slot = mem[HEADER + s * need:HEADER + (s + 1) * need]
+    for base, buf in zip(bases(manifest), buffers):
+        buf.copy_(slot[base:base + buf.numel()])
+    if int(words[_SEQ + 2 * s]) != seq:
+        raise RoundMissed(f"v{version} was overwritten in shared memory while it was being read")
+
+
+def cuda_ipc_handle(tensor):
+    """A picklable handle another process of this host opens with `open_cuda_ipc` (CUDA only)."""
+    from torch.multiprocessing.reductions import reduce_tensor
+
+    return reduce_tensor(tensor)
+
+
+def open_cuda_ipc(handle):
+    """The sender's device tensor behind `handle`, mapped into this process (no copy)."""
+    rebuild, args = handle
+    return rebuild(*args)
