@@ -361,7 +361,7 @@ def run_generator(cfg: GeneratorConfig, stop: threading.Event | None = None) -> 
             agents = AgentServer(agent, cfg.agent_args, cfg.openai_host, cfg.openai_port,
                                  model_name=os.path.basename(cfg.model.rstrip("/")) or "policy")
         if cfg.weight_sync_port:
-            sync = WeightSyncHook(cfg, worker_id, engine)
+            sync = WeightSyncHook.connect(cfg, worker_id, engine)
             sync.initial(engine)
         mark_ready("generator", worker_id=worker_id, version=engine.version)
         ready = True

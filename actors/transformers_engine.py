@@ -15,7 +15,10 @@ from weight_sync.messages import RoundInfo, round_info
 def _stop_string_end(text: str, stops) -> tuple[str, int] | None:
     """(the stop string, where the text ends with it) for the first one `text` holds, else None."""
     found = [(text.find(s) + len(s), s) for s in stops if s and s in text]
-    return (min(found)[1], min(found)[0]) if found else None
+    if not found:
+        return None
+    end, stop = min(found)
+    return stop, end
 
 
 def _stop_ids(tokenizer, model_path: str, extra: Sequence[int]) -> set[int]:

@@ -13,6 +13,7 @@ import time
 
 from actors.config import GeneratorConfig
 from actors.engines import Engine
+from common.guards import WarnLimiter
 from common.wire import ProtocolError
 from weight_sync.messages import RoundInfo
 
@@ -27,21 +28,27 @@ class WeightSyncHook:
     the client's ZeroMQ socket is not thread-safe.
     """
 
-    def __init__(self, cfg: GeneratorConfig, worker_id: str, engine: Engine):
+    def __init__(self, ws, mode: str = "finish", timeout_s: float = 120.0, poll_s: float = 0.05):
+        """`ws`: a registered `weight_sync.client.GeneratorSyncClient` (`connect` makes one)."""
+        self.ws, self.mode = ws, mode  # mode: the service's, as last heard (every round repeats it)
+        self.timeout_s, self.poll_s = timeout_s, poll_s
+        self.deferred: dict | None = None  # a `finish` round that came mid-batch: loaded after it
+        self.skipped = 0  # replies of the service that were malformed (the weights stay as they are)
+        self.limited = WarnLimiter(log, every_s=30.0)
+
+    @classmethod
+    def connect(cls, cfg: GeneratorConfig, worker_id: str, engine: Engine) -> "WeightSyncHook":
+        """Register `worker_id` with the run's weight-sync service; the hook of its rounds."""
         from weight_sync.client import GeneratorSyncClient
 
-        self.ws = GeneratorSyncClient(cfg.weight_sync_host, cfg.weight_sync_port, worker_id)
+        ws = GeneratorSyncClient(cfg.weight_sync_host, cfg.weight_sync_port, worker_id)
         # world_size: the engine's workers that join a broadcast (vLLM's tensor-parallel ranks)
-        reply = self.ws.register(cfg.engine, world_size=cfg.tensor_parallel_size if cfg.engine == "vllm" else 1)
-        self.mode = reply.get("mode", "finish")  # the service's, as last heard (every round repeats it)
-        if self.mode == "interrupt" and not engine.loads_mid_batch:
+        reply = ws.register(cfg.engine, world_size=cfg.tensor_parallel_size if cfg.engine == "vllm" else 1)
+        mode = reply.get("mode", "finish")
+        if mode == "interrupt" and not engine.loads_mid_batch:
             log.warning("weight-sync mode 'interrupt' needs generator.engine=vllm and generator.async_engine=true; "
                         "this %s engine loads weights between batches", type(engine).__name__)
-        self.timeout_s = cfg.weight_sync_timeout_s
-        self.poll_s = cfg.weight_sync_poll_s
-        self.deferred: dict | None = None  # a `finish` round that came mid-batch: loaded after it
-        self.skipped = 0  # polls whose reply was malformed (the weights stay as they are)
-        self._warned_at = -1e18
+        return cls(ws, mode, cfg.weight_sync_timeout_s, cfg.weight_sync_poll_s)
 
     def initial(self, engine: Engine) -> None:
         """The current weights before the first lease (None: the learner has published nothing yet)."""
@@ -56,15 +63,19 @@ class WeightSyncHook:
             self.apply(engine, round_info)
 
     def _poll(self) -> RoundInfo | None:
-        """The service's answer to a poll; a malformed one is counted and skipped (no round now:
-        the next poll asks again), with a warning at most every 30 s."""
+        """The service's answer to a poll (None: no round now, or a malformed answer: `_ask`)."""
+        return self._ask(self.ws.poll)
+
+    def _ask(self, call, *args, **kwargs):
+        """`call(...)` of the client; a malformed reply is counted and skipped (None): the next
+        poll asks again, and tells the service this generator's version (a `done` whose answer was
+        lost is not needed for that)."""
         try:
-            return self.ws.poll()
+            return call(*args, **kwargs)
         except ProtocolError as e:
             self.skipped += 1
-            if time.monotonic() - self._warned_at >= 30.0:
-                self._warned_at = time.monotonic()
-                log.warning("a malformed reply from the weight-sync service (%d so far): %s", self.skipped, e)
+            self.limited.warn("malformed", "a malformed reply from the weight-sync service (%d so far): %s",
+                              self.skipped, e)
             return None
 
     def poll_mid_batch(self, engine: Engine) -> None:
@@ -87,10 +98,10 @@ class WeightSyncHook:
         except Exception as e:
             # Keep generating with the weights we have: their version is still stamped truthfully.
             log.error("weights v%d not loaded: %s: %s", version, type(e).__name__, e)
-            self.ws.done(version, ok=False, load_s=time.monotonic() - t0, error=f"{type(e).__name__}: {e}")
+            self._ask(self.ws.done, version, ok=False, load_s=time.monotonic() - t0, error=f"{type(e).__name__}: {e}")
             return
         load_s = time.monotonic() - t0
-        self.ws.done(version, ok=True, load_s=load_s)
+        self._ask(self.ws.done, version, ok=True, load_s=load_s)
         log.info("weights v%d loaded%s (time/weight_sync %.2fs)", version,
                  " into the running batch" if mid_batch else "", load_s)
 

@@ -192,8 +192,7 @@ def test_the_weight_sync_client_raises_only_protocol_errors_on_junk_replies():
                 assert reply is None or isinstance(reply, wsm.RoundInfo)
                 kinds["answered"] = kinds.get("answered", 0) + 1
         assert kinds.get("ProtocolError", 0) > N // 2 and kinds.get("answered", 0) > 0, kinds
-        hook = WeightSyncHook.__new__(WeightSyncHook)  # (its poll path only: no engine, no process group)
-        hook.ws, hook.deferred, hook.skipped, hook._warned_at = client, None, 0, -1e18
+        hook = WeightSyncHook(client)  # (its poll path only: no engine, no process group)
         for _ in range(50):
             hook.poll(engine=None)  # a junk reply is skipped (no seed mutates into an offer)
         assert hook.skipped > 0

@@ -221,10 +221,7 @@ def Round(version: int, mode: str):
 
 
 def fake_hook(engine: FakeEngine, script, mode: str = "interrupt") -> WeightSyncHook:
-    hook = WeightSyncHook.__new__(WeightSyncHook)  # without registering with a service
-    hook.ws, hook.mode, hook.deferred = FakeSyncClient(engine, script), mode, None
-    hook.poll_s, hook.timeout_s = 0.001, 1.0
-    return hook
+    return WeightSyncHook(FakeSyncClient(engine, script), mode, timeout_s=1.0, poll_s=0.001)  # (no service)
 
 
 def test_interrupt_round_is_loaded_into_the_running_batch():

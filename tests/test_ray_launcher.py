@@ -208,6 +208,14 @@ def ray_env() -> dict[str, str]:
     return {**subprocess_env(), "RAY_AUTH_MODE": "disabled"}
 
 
+def stop_driver(driver: subprocess.Popen) -> None:
+    """A driver still running when its test ends (it failed early) is stopped: SIGTERM, and the
+    launcher stops every role it started."""
+    if driver.poll() is None:
+        driver.terminate()
+        driver.wait(timeout=120)
+
+
 def wait_for(pred, timeout_s: float, what: str, poll_s: float = 0.5):
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
@@ -356,9 +364,7 @@ def test_demo_end_to_end_with_a_generator_killed_and_scaled_to_two(demo, tmp_pat
 
         driver.wait(timeout=600)
     finally:
-        if driver.poll() is None:
-            driver.terminate()  # the launcher stops every role it started
-            driver.wait(timeout=120)
+        stop_driver(driver)
     out = log_path.read_text(errors="replace")
     assert driver.returncode == 0, out[-4000:]
 
@@ -431,9 +437,7 @@ def test_learner_killed_mid_run_is_resumed_from_its_checkpoint(demo, tmp_path):
         os.kill(learner["pid"], signal.SIGKILL)  # the learner alone, as an OOM kill would
         driver.wait(timeout=900)
     finally:
-        if driver.poll() is None:
-            driver.terminate()
-            driver.wait(timeout=120)
+        stop_driver(driver)
     wall = time.monotonic() - t0
     out = log_path.read_text(errors="replace")
     assert driver.returncode == 0, out[-4000:]
@@ -492,9 +496,7 @@ def test_no_learner_step_for_stall_timeout_stops_the_run_with_the_buffers_diagno
         driver.wait(timeout=300)
         took = time.monotonic() - t0
     finally:
-        if driver.poll() is None:
-            driver.terminate()
-            driver.wait(timeout=120)
+        stop_driver(driver)
     assert driver.returncode == 8, log_path.read_text(errors="replace")[-4000:]
     assert took < 15 + 90, took  # the bound, plus stopping every role
     exit_info = json.loads((run_dir / "exit.json").read_text())

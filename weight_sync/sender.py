@@ -47,6 +47,7 @@ from typing import Iterable
 import msgspec
 
 from common.channel import Channel
+from common.wire import expect
 from weight_sync import buckets as bk
 from weight_sync.client import ask, channel
 from weight_sync.config import WeightSyncConfig
@@ -55,6 +56,9 @@ from weight_sync.round import RoundStore, dispose, store_server
 from weight_sync.shm import Segment, host_id
 
 log = logging.getLogger("conveyor.weight_sync.sender")
+# After the first sign of trouble in an attempt (an `err` report, a failed broadcast), the others'
+# reports are awaited this long at least: a member tearing its group down takes a moment to say so.
+GRACE_S = 5.0
 
 
 def _local_address(host: str, port: int) -> str:
@@ -174,11 +178,10 @@ class WeightSender:
                           self.keep_latest, self.timeout_s, self.join_timeout_s, adapter=adapter,
                           shm=self._same_host(manifest), secret=self._secret)
             try:
-                go = ask(self._channel(), ready, timeout_s=max(0.001, deadline - time.monotonic()))
-            except Exception as e:  # the service is down or refused: the learner goes on
+                go = expect(ask(self._channel(), ready, timeout_s=max(0.001, deadline - time.monotonic())), Go)
+            except Exception as e:  # the service is down, refused or answered nonsense: the learner goes on
                 stats["error"] = f"service: {e}"
                 return self._finish(stats, t0)
-            assert isinstance(go, Go)
             for rid in go.cancelled:  # unclaimed catch-up rounds of the previous version: release them
                 self._abort(rid)
             stats.update(self._run_round(go, manifest, sources, self._round_deadline(deadline)))
@@ -207,14 +210,13 @@ class WeightSender:
                 return None
             version, manifest, sources = latest
             try:  # a short wait: this runs every step (or every tick), and must not stall on a dead service
-                reply = ask(self._channel(), PendingRequest(self.sender_id, version, next_within),
-                            timeout_s=min(self.timeout_s, 2.0))
+                reply = expect(ask(self._channel(), PendingRequest(self.sender_id, version, next_within),
+                                   timeout_s=min(self.timeout_s, 2.0)), Idle, Go)
             except Exception as e:
                 log.warning("asking the weight-sync service for catch-up rounds: %s", e)
                 return None
             if isinstance(reply, Idle):
                 return None
-            assert isinstance(reply, Go)
             t0 = time.monotonic()
             deadline = t0 + self.timeout_s
             stats = {"version": version, "backend": self.backend, "bytes": manifest.total_bytes,
@@ -356,7 +358,7 @@ class WeightSender:
             out["transfer_s"] += transfer_s
             t_confirm = time.monotonic()
             reports = self._collect(rs, attempt, todo, deadline,
-                                    grace_s=max(5.0, 2 * (setup_s + transfer_s)) if err else None)
+                                    grace_s=max(GRACE_S, 2 * (setup_s + transfer_s)) if err else None)
             out["confirm_s"] += time.monotonic() - t_confirm
             dispose(pg)  # after the reports: a group torn down early could fail a member still receiving
             del pg
@@ -434,7 +436,7 @@ class WeightSender:
                     continue
                 reports[r] = ok
                 if not ok and grace_s is None:  # trouble: others get a grace period
-                    grace_s = 5.0
+                    grace_s = GRACE_S
                     stop = min(deadline, time.monotonic() + grace_s)
             if len(reports) == len(todo) or time.monotonic() >= stop:
                 return reports
