@@ -10,7 +10,10 @@ A Llama of ~100M parameters (fp32, random weights, built on the fly) travels fro
   (c) per_tensor: one broadcast per tensor (group built beforehand)
   (b) round:      a Conveyor round through the real service, WeightSender and receiver code over
                   the broadcast (`same_host: broadcast`, what a generator on another host gets);
-                  `round_s` is all of publish: control plane, join, group set-up, transfer, reports
+                  `round_s` is all of publish after the gather (control plane, join, group set-up,
+                  transfer, reports); `gather_s`, the copy of each tensor into the sender's buckets
+                  as the learner hands it over, is reported apart: it is the learner's copy of its
+                  weights, which it made before as well
   (e) shm_round:  the same through the shared-memory segment (`same_host: auto`, one host)
 (a) and (c) end with a 1-byte broadcast back from the receiver, so each time covers arrival.
 Then (d) rounds into a live vLLM engine (CPU build here) for the same model, alternating (b) and
@@ -156,7 +159,6 @@ def main() -> None:
     from safetensors.torch import load_file
 
     from demo.tiny_model import build_tiny_model
-    from weight_sync import buckets as bk
     from weight_sync.config import WeightSyncConfig
     from weight_sync.sender import WeightSender
     from weight_sync.service import WeightSyncService
@@ -202,6 +204,7 @@ def main() -> None:
     def publish(s, v: int, who: str) -> dict:
         stats = s.publish(v, named)
         assert stats["ok"] == [who], stats
+        stats["round_s"] = stats["total_s"] - stats["gather_s"]  # the gather is the learner's copy
         while True:  # until the member's done (after the last round it unregisters)
             g = svc.state.generators.get(who)
             if g is None or g.version >= v:
@@ -236,25 +239,26 @@ def main() -> None:
     print(f"(a) raw flat broadcast: {[round(x, 3) for x in raw]} s", flush=True)
     print(f"(c) per-tensor broadcasts ({len(named)}): {[round(x, 3) for x in per_tensor]} s", flush=True)
     print(f"(b) broadcast rounds ({rounds[0]['buckets']} receive buckets of <= {a.bucket_mb:g} MiB): "
-          f"broadcast {col(rounds, 'broadcast_s')} s = group setup {col(rounds, 'setup_s')} + transfer "
+          f"join {col(rounds, 'join_s')} s, broadcast {col(rounds, 'broadcast_s')} s = ready {col(rounds, 'ready_s')} + group setup {col(rounds, 'setup_s')} + transfer "
           f"{col(rounds, 'transfer_s')} + confirm {col(rounds, 'confirm_s')} s; whole round (publish) "
-          f"{col(rounds, 'total_s')} s (staging {col(rounds, 'pack_s')} s)", flush=True)
+          f"{col(rounds, 'round_s')} s, before it the gather into the sender's buckets {col(rounds, 'gather_s')} s",
+          flush=True)
     print(f"(e) shared-memory rounds: write {col(shm_rounds, 'shm_s')} s, member's copy "
           f"{[round(r['recv_s'], 3) for r in rx_stats if r.get('via') == 'shm']} s, whole round "
-          f"{col(shm_rounds, 'total_s')} s", flush=True)
+          f"{col(shm_rounds, 'round_s')} s", flush=True)
 
     result = {
         "params_m": round(n_params / 1e6, 1), "bytes": nbytes, "tensors": len(named), "reps": a.reps,
-        "bucket_mb": a.bucket_mb, "buckets": rounds[0]["buckets"], "units": len(bk.units(bk.plan(
-            bk.specs_of(named)[0], sender.bucket_bytes))),
+        "bucket_mb": a.bucket_mb, "buckets": rounds[0]["buckets"],
         "raw_s": med(raw),
-        "round_s": med(r["total_s"] for r in rounds),
+        "round_s": med(r["round_s"] for r in rounds),
         "round_broadcast_s": med(r["broadcast_s"] for r in rounds),
         "round_transfer_s": med(r["transfer_s"] for r in rounds),
-        "round_control_s": med(r["total_s"] - r["transfer_s"] for r in rounds),  # everything but the bytes
-        "round_staging_s": med(r["pack_s"] for r in rounds),
+        "round_control_s": med(r["round_s"] - r["transfer_s"] for r in rounds),  # everything but the bytes
+        "round_gather_s": med(r["gather_s"] for r in rounds),
+        "round_join_s": med(r["join_s"] for r in rounds),
         "per_tensor_s": med(per_tensor),
-        "shm_round_s": med(r["total_s"] for r in shm_rounds),
+        "shm_round_s": med(r["round_s"] for r in shm_rounds),
         "shm_write_s": med(r["shm_s"] for r in shm_rounds),
         "shm_read_s": med(r["recv_s"] for r in rx_stats if r.get("via") == "shm"),
     }

@@ -219,8 +219,12 @@ def grad_norm(engine) -> float:
     return float(x.item() if hasattr(x, "item") else x)
 
 
-def iter_full_params(engine) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_full_params(engine, copy: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
     """(HF name, full CPU tensor) for every parameter of the engine's model, yielded on rank 0 only.
+
+    `copy=False`: each tensor is valid only until the next is asked for (the parameter itself, or
+    under ZeRO-3 its gathered form, on the engine's device), for a consumer that copies it at once,
+    as the weight sender does into its buckets.
 
     Under ZeRO-3 each parameter is gathered from its partitions first, which is a collective:
     every rank must walk this iterator to the end (the others get nothing), in step with rank 0.
@@ -243,16 +247,16 @@ def iter_full_params(engine) -> Iterator[tuple[str, torch.Tensor]]:
         if zero3:
             with deepspeed.zero.GatheredParameters([p], modifier_rank=None):
                 if rank0:
-                    yield name, p.detach().to("cpu", copy=True)
+                    yield name, p.detach().to("cpu", copy=True) if copy else p.detach()
         elif rank0:
-            yield name, p.detach().to("cpu", copy=True)
+            yield name, p.detach().to("cpu", copy=True) if copy else p.detach()
 
 
 def iter_publish_params(engine) -> Iterator[tuple[str, torch.Tensor]]:
     """What a weight round sends: the LoRA adapter's tensors for a LoRA policy (peft's names, see
     `learner.lora.iter_adapter_params`), else every parameter (`iter_full_params`). Rank 0 gets
     them; every rank walks the iterator to the end. `learner.lora.adapter_spec(engine)` says
-    which it is."""
+    which it is. Each tensor is valid only until the next is asked for (the sender copies it)."""
     from learner.lora import is_lora, iter_adapter_params
 
-    return iter_adapter_params(engine) if is_lora(engine) else iter_full_params(engine)
+    return iter_adapter_params(engine) if is_lora(engine) else iter_full_params(engine, copy=False)

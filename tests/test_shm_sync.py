@@ -24,30 +24,43 @@ from weight_sync.sender import WeightSender
 
 def _named() -> list[tuple[str, torch.Tensor]]:
     g = torch.Generator().manual_seed(0)
-    # large tensors (their own unit), a run of small ones (one staged unit), a bf16 and an int tensor
+    # tensors of several sizes and dtypes, over more than one bucket of 1 MiB
     return ([("emb", torch.randn(600, 512, generator=g)), ("norm0", torch.randn(512, generator=g)),
              ("norm1", torch.randn(7, generator=g)), ("w", torch.randn(512, 520, generator=g).bfloat16()),
              ("steps", torch.arange(5, dtype=torch.int64))])
 
 
-def test_units_cover_every_byte_once_and_stage_only_small_runs():
+def test_gather_writes_into_the_previous_buckets_and_replans_when_the_model_changes():
     named = _named()
-    manifest = bk.plan(bk.specs_of(named)[0], 1 << 30)
-    units = bk.units(manifest)
-    # emb (1.2 MB) alone; norm0, norm1 (2 KiB + 28 B, both < 1 MiB) together; w (532 KB) and steps together
-    assert [(u.first, u.last) for u in units] == [(0, 1), (1, 4), (4, 5)] or \
-        [(u.first, u.last) for u in units] == [(0, 1), (1, 5)]
-    sources = bk.sources(manifest, [t for _, t in named])
-    assert sources[0].data_ptr() == named[0][1].data_ptr()  # the large tensor is sent from where it is
-    buffers = [torch.zeros(n, dtype=torch.uint8) for n in manifest.buckets]
-    for dst, src in zip(bk.targets(manifest, buffers), sources, strict=True):
-        dst.copy_(src)
-    assert all(torch.equal(a, b) for (_, a), (_, b) in zip(bk.unpack(manifest, buffers), named))
+    manifest, buckets = bk.gather(iter(named), 1 << 20)  # first publish: copied aside, planned, packed
+    assert all(torch.equal(a, b) for (_, a), (_, b) in zip(bk.unpack(manifest, buckets), named))
+    assert all(b.data_ptr() != t.data_ptr() for b in buckets for _, t in named)  # its own copy
+    assert bk.targets(manifest, buckets) == [buckets[b] for b in bk.sent(manifest)]
+    ptrs = [b.data_ptr() for b in buckets]
+
+    def transient():  # each tensor overwritten once the next is asked for, as a ZeRO-3 gather frees it
+        for name, t in named:
+            live = (t * 2 if t.dtype != torch.int64 else t + 1)
+            yield name, live
+            live.zero_()
+
+    again, buckets2 = bk.gather(transient(), 1 << 20, (manifest, buckets))
+    assert again is manifest and [b.data_ptr() for b in buckets2] == ptrs  # in place: no new memory
+    for (_, got), (_, t) in zip(bk.unpack(manifest, buckets2), named):
+        assert torch.equal(got, t * 2 if t.dtype != torch.int64 else t + 1)
+    # another model (a tensor more, one reshaped): a new layout, every value right
+    other = named[:2] + [("norm1", torch.randn(9))] + named[3:] + [("extra", torch.ones(3))]
+    m3, b3 = bk.gather(iter(other), 1 << 20, (manifest, buckets2))
+    assert m3.names == [n for n, _ in other]
+    assert all(torch.equal(a, b) for (_, a), (_, b) in zip(bk.unpack(m3, b3), other))
+    m4, b4 = bk.gather(iter(other[:2]), 1 << 20, (m3, b3))  # fewer tensors
+    assert m4.names == ["emb", "norm0"]
+    assert all(torch.equal(a, b) for (_, a), (_, b) in zip(bk.unpack(m4, b4), other[:2]))
 
 
 def test_segment_round_trip_and_the_seqlock(tmp_path):
     named = _named()
-    manifest = bk.plan(bk.specs_of(named)[0], 1 << 20)
+    manifest, buckets = bk.gather(named, 1 << 20)
     seg = shm.Segment(str(tmp_path), "test")
     try:
         seg.ensure(manifest)
@@ -57,9 +70,8 @@ def test_segment_round_trip_and_the_seqlock(tmp_path):
         assert not shm.usable(SameHost(seg.path, seg.nonce, "elsewhere/boot"))
         with pytest.raises(RoundMissed):
             shm.usable(SameHost(str(tmp_path / "missing"), 1, shm.host_id(), force=True))
-        sources = bk.sources(manifest, [t for _, t in named])
         for version in (3, 4):  # slots 1 and 0
-            seg.write(version, manifest, sources)
+            seg.write(version, manifest, buckets)
             bufs = [torch.zeros(n, dtype=torch.uint8) for n in manifest.buckets]
             shm.read(desc, version, manifest, bufs)
             assert all(torch.equal(a, b) for (_, a), (_, b) in zip(bk.unpack(manifest, bufs), named))

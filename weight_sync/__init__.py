@@ -2,8 +2,8 @@
 
 One publish, in the order a reader meets it:
 
-1. `sender.WeightSender.publish` plans the buckets' layout (`buckets.plan`; the tensors are sent
-   from where they are, `buckets.sources`, with no pack copy) and tells the service
+1. `sender.WeightSender.publish` copies the learner's tensors into its flat buckets as they come
+   (`buckets.gather`, laid out by `buckets.plan`) and tells the service
    `Ready(version, manifest)` (every control message: `messages.py`);
 2. `service.SyncState.on_ready` picks the round's members and answers `Go(members)`; each
    member's next `client.GeneratorSyncClient.poll` returns its `RoundInfo`;

@@ -1,12 +1,10 @@
 """Flat buckets: the layout a member receives a version into, and the collectives that fill it.
 
-A member receives a version into a few contiguous byte buffers (its buckets, kept between rounds)
-and hands its engine views into them (no copy). The manifest says where each tensor lives. Rank 0
-does not pack anything before sending: each tensor of at least `SMALL_BYTES` goes out as a
-collective of its own straight from the learner's memory, into its place in the member's bucket;
-runs of smaller tensors (norms, biases) share one small staging buffer (`units`, `sources`,
-`targets`; both ends derive the same list from the manifest). All of a round's collectives are
-issued at once (async) and waited for together, so per-collective latency overlaps the transfer.
+Both ends hold a version as a few contiguous byte buffers, its buckets, kept between rounds. The
+sender's gather copies each of the learner's tensors into its place in the sender's buckets as it
+arrives (`gather`: the one copy a version costs it), and a round broadcasts each bucket whole
+(`sent`, `targets`), straight into the same place in every member's buckets, which hand the
+engine views into them (no copy). The manifest says where each tensor lives.
 
 Layout rules:
 - tensors are placed in the order given, each at an offset aligned to `ALIGN` bytes (so a view of
@@ -199,38 +197,10 @@ def unpack(manifest: Manifest, buckets: Sequence["torch.Tensor"]) -> list[tuple[
     return out
 
 
-# A tensor of at least this many bytes travels as a collective of its own, straight from the
-# learner's memory; runs of smaller ones (norms, biases) are packed into one staging buffer per run.
-# Both ends derive the same units from the manifest with this constant.
-SMALL_BYTES = 1 << 20
-
-
-class Unit(msgspec.Struct, array_like=True):
-    """One collective of a round: bytes [start, end) of bucket `bucket`, tensors [first, last)."""
-
-    bucket: int
-    start: int
-    end: int
-    first: int
-    last: int
-
-
-def units(manifest: Manifest, small_bytes: int = SMALL_BYTES) -> list[Unit]:
-    """The collectives of a round, in order: each tensor of >= `small_bytes` alone, each run of
-    consecutive smaller tensors of one bucket together (alignment padding included)."""
-    out: list[Unit] = []
-    for i, t in enumerate(manifest.tensors):
-        n = t.nbytes
-        if not n:
-            continue
-        prev = out[-1] if out else None
-        small = n < small_bytes
-        if (small and prev is not None and prev.bucket == t.bucket and prev.last == i
-                and manifest.tensors[prev.first].nbytes < small_bytes):
-            prev.end, prev.last = t.offset + n, i + 1
-        else:
-            out.append(Unit(t.bucket, t.offset, t.offset + n, i, i + 1))
-    return out
+def sent(manifest: Manifest) -> list[int]:
+    """The buckets a round moves, in order, one collective each: every non-empty one, whole (both
+    ends hold the version as flat buckets, so a bucket goes out as it is and lands where it belongs)."""
+    return [b for b, n in enumerate(manifest.buckets) if n]
 
 
 def as_bytes(t: "torch.Tensor") -> "torch.Tensor":
@@ -240,27 +210,53 @@ def as_bytes(t: "torch.Tensor") -> "torch.Tensor":
     return t.detach().contiguous().view(-1).view(torch.uint8)
 
 
-def sources(manifest: Manifest, tensors: Sequence["torch.Tensor"], small_bytes: int = SMALL_BYTES) -> list:
-    """What rank 0 sends for each of `units(manifest)`: the tensor's own bytes (no copy) for a large
-    tensor, a small staging buffer for a run of small ones."""
+def targets(manifest: Manifest, buffers: Sequence["torch.Tensor"]) -> list:
+    """The buffers of `sent(manifest)`: what the sender sends from, or a member receives into."""
+    return [buffers[b] for b in sent(manifest)]
+
+
+def _same(spec: TensorSpec, name: str, t: "torch.Tensor") -> bool:
+    return spec.name == name and spec.shape == list(t.shape) and spec.dtype == dtype_name(t.dtype)
+
+
+def gather(named_tensors: Iterable[tuple[str, "torch.Tensor"]], bucket_bytes: int,
+           prev: tuple[Manifest, list] | None = None) -> tuple[Manifest, list]:
+    """A version as flat CPU buckets, `(manifest, buckets)`, from `(name, tensor)` pairs.
+
+    Each tensor is copied as it arrives, before the next is asked for, so an iterator may hand out
+    a view that lives only until then (a ZeRO-3 parameter gathered for the moment, a live
+    parameter). When the tensors are `prev`'s, in its order (every publish of a run after the
+    first), they are copied straight into `prev`'s buckets, which come back: one copy in all, and
+    the round sends the buckets as they are. Otherwise (the first publish, or another model) each is
+    copied aside, then planned and packed into new buckets.
+    """
     import torch
 
-    out = []
-    for u in units(manifest, small_bytes):
-        if u.last - u.first == 1 and u.end - u.start == manifest.tensors[u.first].nbytes:
-            out.append(as_bytes(tensors[u.first]))
+    manifest, buckets = prev if prev is not None else (None, None)
+    expected = manifest.tensors if manifest is not None else []
+    i = 0
+    aside: list | None = None if expected else []  # (name, own copy) once the layout does not hold
+    for name, t in named_tensors:
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name!r}: expected a torch.Tensor, got {type(t).__name__}")
+        try:
+            dtype_name(t.dtype)
+        except ValueError as e:
+            raise ValueError(f"{name!r}: {e}") from None
+        if aside is None and i < len(expected) and _same(expected[i], name, t):
+            e = expected[i]
+            buckets[e.bucket][e.offset:e.offset + e.nbytes].copy_(as_bytes(t))
+            i += 1
             continue
-        stage = torch.zeros(u.end - u.start, dtype=torch.uint8, device=tensors[u.first].device)
-        for i in range(u.first, u.last):
-            spec = manifest.tensors[i]
-            stage[spec.offset - u.start:spec.offset - u.start + spec.nbytes].copy_(as_bytes(tensors[i]))
-        out.append(stage)
-    return out
-
-
-def targets(manifest: Manifest, buffers: Sequence["torch.Tensor"], small_bytes: int = SMALL_BYTES) -> list:
-    """Where a member receives each of `units(manifest)`: views into its bucket buffers."""
-    return [buffers[u.bucket][u.start:u.end] for u in units(manifest, small_bytes)]
+        if aside is None:  # the layout does not hold: what was copied so far is kept as views
+            aside = unpack(Manifest(manifest.buckets, expected[:i]), buckets)
+        aside.append((name, t.detach().to("cpu", copy=True)))
+    if aside is None and i == len(expected):
+        return manifest, buckets
+    if aside is None:  # fewer tensors than before
+        aside = unpack(Manifest(manifest.buckets, expected[:i]), buckets)
+    manifest = plan([(n, dtype_name(t.dtype), list(t.shape)) for n, t in aside], bucket_bytes)
+    return manifest, pack(manifest, [t for _, t in aside])
 
 
 def total_bytes(manifest: Manifest) -> int:

@@ -145,10 +145,10 @@ class RoundStats(msgspec.Struct):
     tensors: Count = 0
     attempts: Count = 0
     catch_up: bool = False
-    gather_s: Seconds = 0.0  # the learner's gather, as the sender iterated its tensors
-    pack_s: Seconds = 0.0
+    gather_s: Seconds = 0.0  # the learner's gather, each tensor copied into the sender's buckets
     join_s: Seconds = 0.0  # waiting for members to show up
-    broadcast_s: Seconds = 0.0  # every attempt: setup + transfer + confirm
+    broadcast_s: Seconds = 0.0  # every attempt: ready + setup + transfer + confirm
+    ready_s: Seconds = 0.0  # from the roster until every member of it said ready
     setup_s: Seconds = 0.0
     transfer_s: Seconds = 0.0
     confirm_s: Seconds = 0.0

@@ -8,8 +8,8 @@ are in `weight_sync/round.py`):
    process can open it: then it copies the version from there, `_read_shm`, and skips 2-4), and take the receive buffers (reused between rounds when the layout matches);
 2. wait for attempt k's roster; left out (or `abort`): `RoundMissed`, nothing loaded; say `ready`
    and wait for the sender's `go` (or attempt k+1's roster, when another member never answered);
-3. build attempt k's group and receive every unit (`buckets.units`) from group rank 0 into its
-   place in the buckets;
+3. build attempt k's group and receive every bucket (`buckets.sent`) from group rank 0 into its
+   own buckets;
 4. report `ok` and return the buckets; on a failed broadcast report `err` and wait for attempt k+1.
 
 A round whose `info.adapter` is set carries a LoRA adapter (peft's tensor names): vLLM loads it
@@ -88,7 +88,7 @@ def receive_buckets(info: RoundInfo, local_rank: int = 0, device: Any = "cpu",
                 continue
             pg = rs.group(info.backend, attempt, 1 + roster.ranks.index(rank), 1 + len(roster.ranks), deadline)
             t_bcast = time.monotonic()
-            # every unit's collective issued at once, in the sender's order (buckets.units)
+            # every bucket's collective issued at once, in the sender's order (buckets.sent)
             works = [pg.broadcast(view, 0) for view in bk.targets(info.manifest, bufs)]
             for work in works:
                 work.wait()

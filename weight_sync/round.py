@@ -39,12 +39,25 @@ unusable, and the control keys must still get through.
 from __future__ import annotations
 
 import os
+import queue
 import socket
 import threading
 import time
 from datetime import timedelta
 
 import msgspec
+
+
+# How often a step of the round's handshake is polled (roster, ready, go, reports): every 1 ms for
+# the first 20 ms (each step answers another within milliseconds, and four in a row cost a round
+# ~4 ms at this rate, 20 ms at 5 ms), then every 5 ms (a check is one store round trip, and many
+# members may be waiting a long join out).
+FAST_POLL_S, FAST_FOR_S, SLOW_POLL_S = 0.001, 0.02, 0.005
+
+
+def pause(since: float) -> None:
+    """Sleep one poll interval of a handshake step that began at `since` (monotonic)."""
+    time.sleep(FAST_POLL_S if time.monotonic() - since < FAST_FOR_S else SLOW_POLL_S)
 
 
 class RoundMissed(RuntimeError):
@@ -120,13 +133,12 @@ class RoundStore:
 
     def wait_ready(self, attempt: int, ranks: list[int], deadline: float) -> set[int]:
         """The ranks of `ranks` that said `ready` for attempt `attempt` by `deadline`."""
-        left, sleep = set(ranks), 0.001
+        left, since = set(ranks), time.monotonic()
         while left:
             left -= {r for r in left if self.store.check([f"a{attempt}/ready/{r}"])}
             if not left or time.monotonic() >= deadline:
                 break
-            time.sleep(sleep)
-            sleep = min(sleep * 1.5, 0.005)
+            pause(since)
         return set(ranks) - left
 
     def set_go(self, attempt: int) -> None:
@@ -135,14 +147,13 @@ class RoundStore:
     def wait_go(self, attempt: int, deadline: float) -> bool:
         """True once the sender builds attempt `attempt`'s group; False when it moved on to the
         next attempt instead (someone of the roster never said ready) or the deadline passed."""
-        sleep = 0.001
+        since = time.monotonic()
         while True:
             if self.store.check([f"a{attempt}/go"]):
                 return True
             if self.store.check([f"a{attempt + 1}/roster"]) or time.monotonic() >= deadline:
                 return False
-            time.sleep(sleep)
-            sleep = min(sleep * 1.5, 0.005)
+            pause(since)
 
     def wait_roster(self, attempt: int, deadline: float) -> Roster | None:
         """Attempt `attempt`'s roster, or None if none came by `deadline` (monotonic)."""
@@ -225,19 +236,41 @@ def make_group(backend: str, store, rank: int, world_size: int, timeout_s: float
     raise ValueError(f"no process group for backend {backend!r}")
 
 
+# Finished groups are dropped by one thread, `TEARDOWN_AFTER_S` after they finished: a gloo group's
+# destructor joins its threads and closes its pairs holding the GIL (~15 ms with a peer in another
+# process), which would otherwise stall the round that just ended (or the next one).
+TEARDOWN_AFTER_S = 0.5
+_retired: "queue.SimpleQueue[tuple[float, object]]" = queue.SimpleQueue()
+_teardown_lock = threading.Lock()
+_teardown_thread: list[threading.Thread] = []
+
+
 def dispose(pg) -> None:
-    """Drop a finished group from a short-lived thread: gloo's teardown takes ~20 ms (it joins its
-    worker threads), and nobody should wait for it. (Thread.run deletes its args in the thread.)"""
-    if pg is not None:
-        threading.Thread(target=lambda _pg: None, args=(pg,), name="weight-sync-pg-teardown", daemon=True).start()
+    """Hand a finished group to the teardown thread (see `TEARDOWN_AFTER_S`); the caller drops its
+    own references."""
+    if pg is None:
+        return
+    _retired.put((time.monotonic() + TEARDOWN_AFTER_S, pg))
+    with _teardown_lock:
+        if not _teardown_thread or not _teardown_thread[0].is_alive():
+            t = threading.Thread(target=_tear_down, name="weight-sync-pg-teardown", daemon=True)
+            t.start()
+            _teardown_thread[:] = [t]
 
 
-def wait_key(store, key: str, deadline: float, poll_s: float = 0.005) -> bool:
+def _tear_down() -> None:
+    while True:
+        at, pg = _retired.get()
+        time.sleep(max(0.0, at - time.monotonic()))
+        del pg, at
+
+
+def wait_key(store, key: str, deadline: float) -> bool:
     """Poll until `key` exists (True) or `deadline` (monotonic) passes (False)."""
+    since = time.monotonic()
     while True:
         if store.check([key]):
             return True
         if time.monotonic() >= deadline:
             return False
-        time.sleep(poll_s)
-        poll_s = min(poll_s * 1.5, 0.005)
+        pause(since)

@@ -1,7 +1,7 @@
 """The sending end, on learner rank 0: broadcast each version, straight from the learner's tensors.
 
     sender = WeightSender.from_config(cfg)                 # cfg: the `weight_sync:` section
-    stats = sender.publish(step, model_named_full_tensors)  # HF names, full CPU tensors
+    stats = sender.publish(step, model_named_full_tensors)  # HF names, full tensors (copied as they come)
     stats = sender.publish(step, adapter_tensors, adapter={"r": 8, "lora_alpha": 16, "target_modules": [...]})
 
 `publish` never blocks longer than `timeout_s`: it waits `join_timeout_s` at most for the round's
@@ -10,17 +10,17 @@ not received everything by the deadline (`weight_sync/round.py` has the round's 
 member dying mid-broadcast is survived). It never waits for a generator to finish a batch: one
 still busy after `join_timeout_s` is caught up later, as below.
 
-Nothing is packed before the broadcast: members receive into their bucket layout (`buckets.py`),
-and each large tensor goes out from the tensor `publish` was given (small ones share a staging
-buffer). `publish` keeps references to those tensors (not copies) for catch-up rounds, so they
-must not change afterwards: pass fresh copies, as the learner's gather does
-(`learner.engine.iter_full_params` yields `.to("cpu", copy=True)`), never live parameters.
+The sender holds the version as flat buckets, the layout members receive into (`buckets.py`): as
+`publish` iterates the learner's tensors it copies each into its place there (`buckets.gather`;
+the learner hands over its parameters, or ZeRO-3's gathered ones, without a copy of its own), and
+the round broadcasts each bucket whole. Nothing is packed before the broadcast and nothing of the
+caller's is kept: the tensors may change as soon as `publish` has moved past them.
 
 Catch-up rounds. A generator that is behind the current version (a newcomer, or one that missed
 a round because it was busy or late) is offered a catch-up round at its next poll. The sender
-keeps the latest version's tensors (`keep_latest`, one model copy in host memory) and serves those
+keeps the latest version's buckets (`keep_latest`, one model copy in host memory) and serves those
 rounds from a background thread (`serve_in_background`): it asks the service every
-`serve_interval_s` whether a catch-up round is pending and broadcasts the retained tensors to its
+`serve_interval_s` whether a catch-up round is pending and broadcasts those buckets to its
 members. The learner's loop is never involved, and a new generator gets the current weights
 within about `serve_interval_s` plus one transfer, even while the learner waits for data. Without
 the thread, the learner calls `serve_pending()` once per step. Rounds never overlap: a lock
@@ -52,7 +52,7 @@ from weight_sync import buckets as bk
 from weight_sync.client import ask, channel
 from weight_sync.config import WeightSyncConfig
 from weight_sync.messages import Adapter, Go, Idle, PendingRequest, Ready, RoundResult, RoundStats, SameHost
-from weight_sync.round import RoundStore, dispose, store_server
+from weight_sync.round import RoundStore, dispose, pause, store_server
 from weight_sync.shm import Segment, host_id
 
 log = logging.getLogger("conveyor.weight_sync.sender")
@@ -125,7 +125,8 @@ class WeightSender:
         # the shared-memory segment for generators on this host (weight_sync/shm.py)
         self._segment = Segment(cfg.shm_dir, sender_id) if cfg.same_host != "broadcast" and backend != "disk" \
             else None
-        self._latest: tuple[int, bk.Manifest, list] | None = None  # (version, manifest, unit sources)
+        self._flat: tuple[bk.Manifest, list] | None = None  # the latest version's layout and buckets
+        self._latest: tuple[int, bk.Manifest, list] | None = None  # (version, manifest, buckets) for catch-ups
         self._last_pending_call: float | None = None
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -154,25 +155,25 @@ class WeightSender:
             adapter = msgspec.convert(adapter, Adapter)
         t0 = time.monotonic()
         deadline = t0 + self.timeout_s
-        specs, tensors = bk.specs_of(named_tensors)  # the learner's gather happens as this iterates
-        manifest = bk.plan(specs, self.bucket_bytes)
-        stats = {"version": version, "backend": self.backend, "bytes": manifest.total_bytes,
-                 "buckets": len(manifest.buckets), "tensors": len(specs), "gather_s": time.monotonic() - t0,
-                 "members": [], "ok": [], "missed": [], "failed": [], "error": ""}
+        stats = {"version": version, "backend": self.backend, "members": [], "ok": [], "missed": [], "failed": [],
+                 "error": ""}
+        # the lock first: the gather writes into the buckets a catch-up round may be sending
         if not self._lock.acquire(timeout=max(0.0, deadline - time.monotonic())):
+            for _ in named_tensors:  # walked to the end all the same: under ZeRO-3 it is a collective
+                pass
             stats["error"] = "a catch-up round held the sender past the publish deadline"
             return self._finish(stats, t0)
         try:
-            t_pack = time.monotonic()
-            self._latest = None  # the previous version's tensors are released first
-            # no pack: large tensors go out from the learner's memory, runs of small ones staged
-            sources = bk.sources(manifest, tensors)
-            stats["pack_s"] = time.monotonic() - t_pack
-            self._latest = (version, manifest, sources) if self.keep_latest and self.backend != "disk" else None
+            self._latest = None
+            t_gather = time.monotonic()
+            # the learner's gather happens as this iterates; each tensor is copied into its bucket
+            manifest, buckets = self._flat = bk.gather(named_tensors, self.bucket_bytes, self._flat)
+            stats.update(bytes=manifest.total_bytes, buckets=len(manifest.buckets), tensors=len(manifest.tensors),
+                         gather_s=time.monotonic() - t_gather)
+            self._latest = (version, manifest, buckets) if self.keep_latest and self.backend != "disk" else None
             if self.backend == "disk":
-                named = list(zip(manifest.names, tensors))
+                named = bk.unpack(manifest, buckets)
                 return self._finish(self._publish_disk(version, manifest, named, stats, deadline, adapter), t0)
-            del tensors
             store = self._server()
             ready = Ready(self.sender_id, version, self.backend, manifest, self.advertise_host, store.port, "",
                           self.keep_latest, self.timeout_s, self.join_timeout_s, adapter=adapter,
@@ -184,7 +185,7 @@ class WeightSender:
                 return self._finish(stats, t0)
             for rid in go.cancelled:  # unclaimed catch-up rounds of the previous version: release them
                 self._abort(rid)
-            stats.update(self._run_round(go, manifest, sources, self._round_deadline(deadline)))
+            stats.update(self._run_round(go, manifest, buckets, self._round_deadline(deadline)))
             self._report(go, stats, deadline)
             return self._finish(stats, t0)
         finally:
@@ -208,7 +209,7 @@ class WeightSender:
             latest = self._latest
             if latest is None or self.backend == "disk":
                 return None
-            version, manifest, sources = latest
+            version, manifest, buckets = latest
             try:  # a short wait: this runs every step (or every tick), and must not stall on a dead service
                 reply = expect(ask(self._channel(), PendingRequest(self.sender_id, version, next_within),
                                    timeout_s=min(self.timeout_s, 2.0)), Idle, Go)
@@ -228,7 +229,7 @@ class WeightSender:
                 stats.update(round_id=reply.round_id, members=workers, ok=[], failed=[], missed=workers,
                              error=f"round asked for v{reply.version}")
             else:
-                stats.update(self._run_round(reply, manifest, sources, self._round_deadline(deadline)))
+                stats.update(self._run_round(reply, manifest, buckets, self._round_deadline(deadline)))
             self._report(reply, stats, deadline)
             return self._finish(stats, t0)
         finally:
@@ -304,11 +305,11 @@ class WeightSender:
         except Exception as e:
             stats["error"] = (stats.get("error") or "") + f" (round_result not delivered: {e})"
 
-    def _run_round(self, go: Go, manifest: bk.Manifest, sources: list, deadline: float) -> dict:
+    def _run_round(self, go: Go, manifest: bk.Manifest, buckets: list, deadline: float) -> dict:
         """Join, broadcast (with retries), collect; returns the round's part of the stats."""
         out = {"round_id": go.round_id, "members": [m.worker_id for m in go.members], "ok": [], "missed": [],
                "failed": [], "join_s": 0.0, "broadcast_s": 0.0, "attempts": 0,
-               "setup_s": 0.0, "transfer_s": 0.0, "confirm_s": 0.0}
+               "ready_s": 0.0, "setup_s": 0.0, "transfer_s": 0.0, "confirm_s": 0.0}
         if not go.members:
             return out
         owner = {r: m.worker_id for m in go.members for r in m.ranks}  # group rank -> worker id
@@ -326,7 +327,7 @@ class WeightSender:
                     via[r] = kind
                     pending.discard(r)
             if pending:
-                time.sleep(0.005)
+                pause(t_join)
         absent_workers = {owner[r] for r in pending}
         present = sorted(r for r in owner if owner[r] not in absent_workers)
         shm_ranks = [r for r in present if via.get(r) == "shm"]
@@ -335,7 +336,7 @@ class WeightSender:
 
         # 1b. members on this host: the version into the shared-memory segment, once
         if shm_ranks:
-            out["shm_s"] = self._segment.write(go.version, manifest, sources) if self._segment.written != go.version \
+            out["shm_s"] = self._segment.write(go.version, manifest, buckets) if self._segment.written != go.version \
                 else 0.0
             rs.set_shm_roster(shm_ranks)
 
@@ -345,15 +346,17 @@ class WeightSender:
         attempt = 0
         t_bcast = time.monotonic()
         while todo:
+            t_ready = time.monotonic()
             rs.set_roster(attempt, todo)
             ready = rs.wait_ready(attempt, todo, min(deadline, time.monotonic() + self.cfg.setup_timeout_s))
+            out["ready_s"] += time.monotonic() - t_ready
             if len(ready) < len(todo):  # silent since they joined: the others go on without them
                 dead_ranks |= set(todo) - ready
                 todo = sorted(ready)
                 attempt += 1
                 continue
             rs.set_go(attempt)
-            err, setup_s, transfer_s, pg = self._broadcast(rs, attempt, todo, sources, deadline)
+            err, setup_s, transfer_s, pg = self._broadcast(rs, attempt, todo, bk.targets(manifest, buckets), deadline)
             out["setup_s"] += setup_s
             out["transfer_s"] += transfer_s
             t_confirm = time.monotonic()
@@ -425,8 +428,8 @@ class WeightSender:
                  grace_s: float | None) -> dict[int, bool]:
         """Members' ok/err reports; stop at the deadline, or `grace_s` after the first sign of trouble."""
         reports: dict[int, bool] = {}
-        stop = deadline if grace_s is None else min(deadline, time.monotonic() + grace_s)
-        sleep = 0.002
+        since = time.monotonic()
+        stop = deadline if grace_s is None else min(deadline, since + grace_s)
         while True:
             for r in todo:
                 if r in reports:
@@ -440,8 +443,7 @@ class WeightSender:
                     stop = min(deadline, time.monotonic() + grace_s)
             if len(reports) == len(todo) or time.monotonic() >= stop:
                 return reports
-            time.sleep(sleep)
-            sleep = min(sleep * 1.5, 0.005)
+            pause(since)
 
     def _publish_disk(self, version: int, manifest: bk.Manifest, named: list, stats: dict,
                       deadline: float, adapter: Adapter | None = None) -> dict:

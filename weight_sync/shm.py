@@ -113,8 +113,8 @@ class Segment:
             words[_SEQ + 2 * s], words[_VERSION + 2 * s] = 0, -1
         self.written = None
 
-    def write(self, version: int, manifest: bk.Manifest, sources: Sequence) -> float:
-        """Version `version` into slot version % 2 (`sources`: `bk.sources` of the version)."""
+    def write(self, version: int, manifest: bk.Manifest, buckets: Sequence) -> float:
+        """Version `version` into slot version % 2 (`buckets`: the sender's, `bk.gather`'s)."""
         import time
 
         import torch
@@ -126,9 +126,8 @@ class Segment:
         slot = self._mem[HEADER + s * self.slot_bytes:HEADER + (s + 1) * self.slot_bytes]
         base = bases(manifest)
         words[_SEQ + 2 * s] += 1  # odd: being written
-        for u, src in zip(bk.units(manifest), sources, strict=True):
-            at = base[u.bucket] + u.start
-            slot[at:at + src.numel()].copy_(src.cpu())
+        for b in bk.sent(manifest):
+            slot[base[b]:base[b] + manifest.buckets[b]].copy_(buckets[b])
         words[_VERSION + 2 * s] = version
         words[_SEQ + 2 * s] += 1  # even: complete
         self.written = version
