@@ -164,3 +164,43 @@ def test_a_member_that_never_answers_does_not_stall_the_others(service):
     manifest = bk.plan(bk.specs_of(named)[0], 256 << 20)
     assert all(torch.equal(a, b) for (_, a), (_, b) in zip(bk.unpack(manifest, out["g0"][0][2]), named))
     ghost.close()
+
+
+def test_groups_of_k_serve_every_member_and_a_silent_one_costs_only_its_group(service):
+    """group_size 2, three members and a ghost (joins, then silent): two groups one after the other,
+    the ghost's group built again without it; every live member gets the version bit for bit."""
+    svc, port = service
+    named = _named()
+    out: dict = {}
+    threads = [threading.Thread(target=_member, args=(port, f"g{i}", out)) for i in range(3)]
+    for t in threads:
+        t.start()
+    while not all(f"g{i}" in svc.state.generators for i in range(3)):
+        time.sleep(0.01)
+    ghost = GeneratorSyncClient("127.0.0.1", port, "ghost")
+    ghost.register("transformers")
+
+    def silent():
+        info = None
+        while info is None:
+            info = ghost.poll()
+            time.sleep(0.01)
+        RoundStore(info.host, info.port, info.round_id, 5, info.secret).join(info.rank)
+
+    threading.Thread(target=silent, daemon=True).start()
+    timeout_s = 10.0
+    with WeightSender("127.0.0.1", port, timeout_s=timeout_s, join_timeout_s=5, setup_timeout_s=1.0, group_size=2,
+                      same_host="broadcast", serve_in_background=False) as sender:
+        t0 = time.monotonic()
+        stats = sender.publish(1, named)
+        took = time.monotonic() - t0
+    for t in threads:
+        t.join(20)
+    assert stats["ok"] == ["g0", "g1", "g2"] and stats["failed"] == ["ghost"], stats
+    assert took < timeout_s and stats["attempts"] == 3  # two groups, the ghost's built twice
+    manifest = bk.plan(bk.specs_of(named)[0], 256 << 20)
+    for i in range(3):
+        (version, via, got), = out[f"g{i}"]
+        assert (version, via) == (1, "broadcast")
+        assert all(torch.equal(a, b) for (_, a), (_, b) in zip(bk.unpack(manifest, got), named))
+    ghost.close()

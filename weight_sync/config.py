@@ -84,8 +84,13 @@ class WeightSyncConfig(Section):
     """How long building one attempt's group may take: a member that joined and then never builds
     it (hung) costs the others this much, not the whole round (they retry without it)."""
     max_attempts: int = Field(3, ge=1)
-    """Broadcast attempts per round: a member dying mid-round makes the others' broadcast fail, and
-    they retry without it (all within `timeout_s`)."""
+    """Broadcasts a member is given per round: a member dying mid-round makes the others' broadcast
+    fail, and they retry without it (all within `timeout_s`)."""
+    group_size: int = Field(0, ge=0)
+    """Members per broadcast group: 0 = every member of a round in one group; K = groups of at most
+    K, served one after another (a group's set-up, which grows with its size on NCCL, and a slow or
+    dying member then concern K members, not all; the learner sends the bytes once per group).
+    docs/scaling.md has the plan beyond this (relays per node)."""
 
     @property
     def bucket_bytes(self) -> int:

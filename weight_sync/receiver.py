@@ -78,6 +78,9 @@ def receive_buckets(info: RoundInfo, local_rank: int = 0, device: Any = "cpu",
         if roster is None:
             raise RoundMissed(f"rank {rank}: no roster for attempt {attempt} of round {info.round_id} "
                               f"within {info.timeout_s}s")
+        if not roster.abort and rank in roster.later:  # a later group's: wait for its attempt
+            attempt += 1
+            continue
         if roster.abort or rank not in roster.ranks:
             raise RoundMissed(f"rank {rank}: left out of round {info.round_id} (attempt {attempt})")
         pg = None

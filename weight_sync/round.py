@@ -9,13 +9,19 @@ roster or a group by, since a TCPStore cannot list its keys.
     member rank r       join/<r> = 1 | shm                "I am here" (the sender waits join_timeout_s);
                                                           shm: "I read the sender's segment instead"
     sender              shm/roster = Roster(ranks)        the segment holds the version; these reads count
-    sender              a<k>/roster = Roster(ranks, abort) attempt k's members, in group-rank order
+    sender              a<k>/roster = Roster(ranks, abort, later)  attempt k's members, in group-rank
+                                                          order; `later`: served by a later attempt
     member rank r       a<k>/ready/<r> = 1                about to build the group
     sender              a<k>/go = 1                       every rank is ready (else: roster k+1)
     everyone in roster  a<k>/pg/...                       a fresh ProcessGroupGloo / NCCL per attempt
     sender              broadcast bucket 0, 1, ... from group rank 0
     member rank r       a<k>/done/<r> = ok | err
     shm member rank r   ashm/done/<r> = ok | err         its copy out of the segment
+
+With `weight_sync.group_size` K > 0, an attempt's roster holds at most K members and the rest
+wait for theirs (`later`): groups of K are served one after another, so a group's set-up (NCCL's
+grows with its size) and a slow or dying member concern K members, not the whole round; the sender
+sends the bytes once per group.
 
 A member that joined and then never answers (hung, or gone between join and roster) would hold
 everyone's group set-up until the deadline (a group is built by all its ranks or none). So the
@@ -69,10 +75,12 @@ class RoundMissed(RuntimeError):
 
 
 class Roster(msgspec.Struct):
-    """Attempt k's members as group ranks 1, 2, ... (in this order); `abort`: the round is off."""
+    """Attempt k's members as group ranks 1, 2, ... (in this order); `abort`: the round is off;
+    `later`: the ranks a later attempt serves (groups of `weight_sync.group_size`)."""
 
     ranks: list[int]
     abort: bool = False
+    later: list[int] = []
 
 
 _ROSTER = msgspec.msgpack.Decoder(Roster)
@@ -123,8 +131,8 @@ class RoundStore:
 
     # ---- the roster of each attempt --------------------------------------------------------
 
-    def set_roster(self, attempt: int, ranks: list[int], abort: bool = False) -> None:
-        self.store.set(f"a{attempt}/roster", msgspec.msgpack.encode(Roster(list(ranks), abort)))
+    def set_roster(self, attempt: int, ranks: list[int], abort: bool = False, later: list[int] = ()) -> None:
+        self.store.set(f"a{attempt}/roster", msgspec.msgpack.encode(Roster(list(ranks), abort, list(later))))
 
     # ---- before the group: every member of the roster says it is about to build it ---------
 

@@ -340,19 +340,27 @@ class WeightSender:
                 else 0.0
             rs.set_shm_roster(shm_ranks)
 
-        # 2. attempts: broadcast to `todo`; whoever reports `err` is retried, silence means dead
+        # 2. attempts: each broadcasts to the next `group_size` ranks still to serve (all of them
+        # when it is 0); whoever reports `err` is served again, up to max_attempts tries; silence
+        # means dead. The ranks after this attempt's are named in its roster as `later`.
         ok_ranks: set[int] = set()
         dead_ranks: set[int] = set()
-        attempt = 0
+        tries: dict[int, int] = {}
+        size = self.cfg.group_size or len(todo)
+        pending, attempt = todo, 0
         t_bcast = time.monotonic()
-        while todo:
+        while pending:
+            if time.monotonic() >= deadline - 0.5:
+                dead_ranks |= set(pending)
+                break
+            todo, pending = pending[:size], pending[size:]
             t_ready = time.monotonic()
-            rs.set_roster(attempt, todo)
+            rs.set_roster(attempt, todo, later=pending)
             ready = rs.wait_ready(attempt, todo, min(deadline, time.monotonic() + self.cfg.setup_timeout_s))
             out["ready_s"] += time.monotonic() - t_ready
             if len(ready) < len(todo):  # silent since they joined: the others go on without them
                 dead_ranks |= set(todo) - ready
-                todo = sorted(ready)
+                pending = sorted(ready) + pending
                 attempt += 1
                 continue
             rs.set_go(attempt)
@@ -366,13 +374,16 @@ class WeightSender:
             dispose(pg)  # after the reports: a group torn down early could fail a member still receiving
             del pg
             ok_ranks |= {r for r, ok in reports.items() if ok}
-            retry = sorted(r for r, ok in reports.items() if not ok)
             dead_ranks |= set(todo) - set(reports)
             attempt += 1
-            if retry and (attempt >= self.cfg.max_attempts or time.monotonic() >= deadline - 0.5):
-                dead_ranks |= set(retry)
-                retry = []
-            todo = retry
+            again = []
+            for r in sorted(r for r, ok in reports.items() if not ok):
+                tries[r] = tries.get(r, 0) + 1
+                if tries[r] < self.cfg.max_attempts:
+                    again.append(r)
+                else:
+                    dead_ranks.add(r)
+            pending = again + pending
         rs.set_roster(attempt, [], abort=True)  # releases anyone still waiting
         out["broadcast_s"] = time.monotonic() - t_bcast
         out["attempts"] = attempt
