@@ -91,10 +91,13 @@ class WorkerExtension:
             path = write_adapter(named, info.adapter, os.path.join(lora_folder, f"rank{local_rank}"))
             self.add_lora(LoRARequest(LORA_NAME, LORA_ID, path, load_inplace=True))
         else:
-            plan = direct_plan(self.model_runner.get_model(), named)
+            from actors.vllm_load import apply_plan, load_plan
+
+            # a repacked layer's staging weight is kept between rounds, as the receive buffers are
+            plan = load_plan(self.model_runner.get_model(), named, self.__dict__.setdefault("_weight_sync_staging", {}))
             if plan is not None:
-                copy_direct(plan, named)
-                stats["load_path"] = "direct"
+                apply_plan(plan, named)
+                stats["load_path"] = "repack" if plan.reprocess else "direct"
             else:
                 # reload_weights, not model.load_weights: the latter fails on the CPU build once the
                 # weights have been repacked into kernel layout
@@ -106,71 +109,6 @@ class WorkerExtension:
                 self.init_lora_slot(self._conveyor_lora_rank, lora_folder)
         stats.update(load_s=time.monotonic() - t0, version=info.version, local_rank=local_rank)
         return stats
-
-
-def direct_plan(model, named: list, allow_repacked: bool = False) -> list | None:
-    """Where each received tensor goes in `model`'s own parameters, or None when one does not fit.
-
-    `named`: (HF name, tensor) pairs. A tensor goes to the parameter of the same name when its
-    shape and dtype match, or to its rows of a fused parameter (vLLM's `packed_modules_mapping`,
-    e.g. q/k/v_proj -> qkv_proj, gate/up_proj -> gate_up_proj: the shards stacked along dim 0 in
-    the listed order, as `load_weights` stacks them with one tensor-parallel rank), or the first
-    rows of a vocabulary embedding vLLM padded to a multiple of 64. Returns the
-    destination views in `named`'s order. None (load with `reload_weights` instead) when a tensor
-    has no such place, a fused parameter is not exactly covered, or a module computes from a
-    repacked copy of its weight (the CPU build's `cpu_linear`: copying into the parameter would
-    not reach the kernel) unless `allow_repacked` (a model whose weights were never processed).
-    """
-    params = dict(model.named_parameters())
-    modules = dict(model.named_modules())
-    packed = getattr(model, "packed_modules_mapping", {}) or {}
-    shards = {part: (fused, i) for fused, parts in packed.items() for i, part in enumerate(parts)}
-    sizes = {name: t.shape for name, t in named}
-    plan, covered = [], {}
-    for name, t in named:
-        module, _, leaf = name.rpartition(".")
-        parent, _, attr = module.rpartition(".")
-        if name in params:
-            dst, fused_name = params[name], name
-            padded = hasattr(modules.get(module), "org_vocab_size")  # vocab rows padded to a multiple of 64
-            if tuple(dst.shape) != tuple(t.shape):
-                if not (padded and dst.shape[1:] == t.shape[1:] and dst.shape[0] >= t.shape[0]):
-                    return None
-                dst = dst[:t.shape[0]]  # load_weights fills these rows; the padding stays as it is
-        elif attr in shards:
-            fused, i = shards[attr]
-            fused_name = f"{parent}.{fused}.{leaf}" if parent else f"{fused}.{leaf}"
-            if fused_name not in params:
-                return None
-            parts = [f"{parent}.{p}.{leaf}" if parent else f"{p}.{leaf}" for p in packed[fused]]
-            if any(p not in sizes or tuple(sizes[p][1:]) != tuple(t.shape[1:]) for p in parts):
-                return None
-            lo = sum(sizes[p][0] for p in parts[:i])
-            dst = params[fused_name]
-            covered[fused_name] = covered.get(fused_name, 0) + t.numel()
-            if tuple(dst.shape) != (sum(sizes[p][0] for p in parts), *t.shape[1:]):
-                return None
-            dst = dst[lo:lo + t.shape[0]]
-        else:
-            return None
-        owner = modules.get(fused_name.rpartition(".")[0])
-        if dst.dtype != t.dtype or (hasattr(owner, "cpu_linear") and not allow_repacked):
-            return None
-        plan.append(dst)
-    if any(params[n].numel() != k for n, k in covered.items()):
-        return None  # a fused parameter only partly sent
-    return plan
-
-
-def copy_direct(plan: list, named: list) -> None:
-    """Copy each received tensor into its place (memory speed: no allocation, no repacking)."""
-    import torch
-
-    with torch.no_grad():
-        for dst, (_, t) in zip(plan, named, strict=True):
-            dst.copy_(t, non_blocking=True)
-        if plan and plan[0].is_cuda:
-            torch.cuda.synchronize(plan[0].device)
 
 
 def rpc_timeout(info) -> float:

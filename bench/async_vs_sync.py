@@ -16,32 +16,22 @@ Prints progress to stderr and, last, one JSON line on stdout.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
-import shutil
 import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from bench.demo_runs import parse_args, run_demo  # noqa: E402 (after the path is set)
+
 
 def run_mode(mode: str, out: Path, warm: Path, prompts: Path, steps: int, extra: list[str]) -> list[dict]:
-    from launch.local import read_metrics, run_local
-    from launch.run_config import load_run_config
-
-    run_dir = out / mode
-    shutil.rmtree(run_dir, ignore_errors=True)  # a fresh run each time (the buffer would resume old state)
-    run = load_run_config(ROOT / "examples" / "demo.yaml", [
-        "--run.run_dir", str(run_dir), "--run.mode", mode, "--learner.model_path", str(warm),
+    return run_demo(mode, out / mode, [
+        "--run.mode", mode, "--learner.model_path", str(warm),
         "--buffer.prompts", str(prompts), "--learner.total_steps", str(steps), "--learner.save_every", "0",
-        "--run.generator_cpus", "0", "--run.learner_cpus", "1", "--run.threads_per_role", "1", *extra])
-    print(f"[bench] {mode}: {steps} steps, logs in {run_dir / 'logs'}", file=sys.stderr, flush=True)
-    code = run_local(run, quiet=True)
-    if code != 0:
-        raise SystemExit(f"[bench] the {mode} run failed with exit code {code}; see {run_dir / 'logs'}")
-    return read_metrics(run_dir / "metrics.jsonl")
+        "--run.generator_cpus", "0", "--run.learner_cpus", "1", "--run.threads_per_role", "1", *extra])[1]
 
 
 def mean(xs: list[float]) -> float:
@@ -49,24 +39,14 @@ def mean(xs: list[float]) -> float:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--steps", type=int, default=40, help="learner steps per run (K)")
-    p.add_argument("--warm-steps", type=int, default=375, help="supervised warm-start steps")
-    p.add_argument("--out", default="runs/bench_async_vs_sync", help="folder for both runs")
-    p.add_argument("overrides", nargs="*", help="run-config overrides for both runs, e.g. --buffer.prompts_per_step=32")
-    a = p.parse_args()
+    a = parse_args(__doc__, 40, "runs/bench_async_vs_sync", "--buffer.prompts_per_step=32")
     if (os.cpu_count() or 1) < 2:
         raise SystemExit("[bench] needs at least 2 cores to pin the generator and the learner apart")
 
-    from demo.arithmetic import greedy_accuracy, make_problems, warm_start, write_jsonl
-    from demo.tiny_model import build_tiny_model
+    from demo.arithmetic import bench_setup, greedy_accuracy
 
     out = Path(a.out)
-    heldout = make_problems(200, seed=10_000)
-    train = make_problems(3000, seed=0, exclude={q["prompt"] for q in heldout})
-    prompts = write_jsonl(train, out / "train.jsonl")
-    warm = warm_start(build_tiny_model(out / "base", seed=0), out / "warm", train, a.warm_steps, seed=0, log_every=0)
-    acc0 = greedy_accuracy(str(warm), heldout)
+    heldout, prompts, warm, acc0 = bench_setup(out, a.warm_steps)
 
     results = {}
     for mode in ("sync", "async"):

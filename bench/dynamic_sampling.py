@@ -20,33 +20,25 @@ Prints progress to stderr and, last, one JSON line on stdout.
 
 from __future__ import annotations
 
-import argparse
 import json
-import shutil
 import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from bench.demo_runs import parse_args, run_demo  # noqa: E402 (after the path is set)
+
 
 def run(name: str, out: Path, warm: Path, prompts: Path, steps: int, extra: list[str]) -> dict:
     """One demo run; what it generated and trained, and its last checkpoint."""
     from buffer.store import LOG_NAME, StateStore
-    from launch.local import read_metrics, run_local
-    from launch.run_config import load_run_config
 
     run_dir = out / name
-    shutil.rmtree(run_dir, ignore_errors=True)  # a fresh run each time (the buffer would resume old state)
-    cfg = load_run_config(ROOT / "examples" / "demo.yaml", [
-        "--run.run_dir", str(run_dir), "--learner.model_path", str(warm), "--buffer.prompts", str(prompts),
+    cfg, rows = run_demo(name, out / name, [
+        "--learner.model_path", str(warm), "--buffer.prompts", str(prompts),
         "--learner.total_steps", str(steps), "--learner.save_every", "0", "--generator.stop_token_ids",
         str(newline_id()), *extra])
-    print(f"[bench] {name}: {steps} steps, logs in {run_dir / 'logs'}", file=sys.stderr, flush=True)
-    code = run_local(cfg, quiet=True)
-    if code != 0:
-        raise SystemExit(f"[bench] the {name} run failed with exit code {code}; see {run_dir / 'logs'}")
-    rows = read_metrics(run_dir / "metrics.jsonl")
     c = StateStore.read(Path(cfg.buffer.state_dir) / LOG_NAME).counters  # written at the buffer's shutdown
     n = cfg.buffer.n_samples_per_prompt
     generated, trained = c["relayed_rollouts"], int(sum(r["perf/samples"] for r in rows))
@@ -71,22 +63,12 @@ def newline_id() -> int:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--steps", type=int, default=200, help="learner steps per run")
-    p.add_argument("--warm-steps", type=int, default=375, help="supervised warm-start steps")
-    p.add_argument("--out", default="runs/bench_dynamic_sampling", help="folder for both runs")
-    p.add_argument("overrides", nargs="*", help="run-config overrides for both runs, e.g. --buffer.max_staleness=2")
-    a = p.parse_args()
+    a = parse_args(__doc__, 200, "runs/bench_dynamic_sampling", "--buffer.max_staleness=2")
 
-    from demo.arithmetic import greedy_accuracy, make_problems, warm_start, write_jsonl
-    from demo.tiny_model import build_tiny_model
+    from demo.arithmetic import bench_setup, greedy_accuracy
 
     out = Path(a.out)
-    heldout = make_problems(200, seed=10_000)  # the demo's split
-    train = make_problems(3000, seed=0, exclude={q["prompt"] for q in heldout})
-    prompts = write_jsonl(train, out / "train.jsonl")
-    warm = warm_start(build_tiny_model(out / "base", seed=0), out / "warm", train, a.warm_steps, seed=0, log_every=0)
-    acc0 = greedy_accuracy(str(warm), heldout)
+    heldout, prompts, warm, acc0 = bench_setup(out, a.warm_steps)
     print(f"[bench] held-out accuracy after the warm start: {acc0:.3f}", file=sys.stderr, flush=True)
 
     results = {}

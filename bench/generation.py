@@ -63,7 +63,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--prompts", type=int, default=32, help="distinct prompts")
     p.add_argument("--n", type=int, default=4, help="samples per prompt")
     p.add_argument("--max-tokens", type=int, default=64, help="longest completion")
-    p.add_argument("--models", default="tiny,large", help=f"comma-separated, of {list(MODELS)}")
+    p.add_argument("--models", default="tiny,large",
+                   help=f"comma-separated, of {list(MODELS)}, or model folders (e.g. a ~1B Llama built beforehand)")
     p.add_argument("--repeat", type=int, default=3, help="timed runs per engine; the fastest is reported")
     p.add_argument("--seed", type=int, default=0)
     a = p.parse_args(argv)
@@ -81,16 +82,19 @@ def main(argv: list[str] | None = None) -> None:
     results = []
     with tempfile.TemporaryDirectory(prefix="bench_generation_") as tmp:
         for name in a.models.split(","):
-            if name not in MODELS:
-                p.error(f"--models: unknown model {name!r}; known: {list(MODELS)}")
-            model_dir = str(build_tiny_model(Path(tmp) / name, **MODELS[name], seed=a.seed))
+            if name in MODELS:
+                model_dir = str(build_tiny_model(Path(tmp) / name, **MODELS[name], seed=a.seed))
+            elif (Path(name) / "config.json").is_file():
+                model_dir = name
+            else:
+                p.error(f"--models: {name!r} is neither one of {list(MODELS)} nor a model folder")
             tok = AutoTokenizer.from_pretrained(model_dir)
             prompt_ids = [tok.encode(q) for q in prompts]
             n_params = sum(t.numel() for t in load_file(str(Path(model_dir) / "model.safetensors")).values())
             for kind in ("vllm", "transformers"):
                 say(f"{name} ({n_params / 1e6:.1f}M params), {kind}: {len(prompts)} prompts x {a.n} samples, "
                     f"up to {a.max_tokens} tokens")
-                r = {"model": name, **MODELS[name], "params": n_params,
+                r = {"model": name, **MODELS.get(name, {}), "params": n_params,
                      **bench_engine(kind, model_dir, prompt_ids, a.n, a.max_tokens, a.seed, a.repeat)}
                 say(f"  best of {a.repeat}: {r['tokens']} tokens in {r['seconds']:.2f}s: {r['tokens_per_s']:.0f} tok/s "
                     f"(all runs {r['all_tokens_per_s']}; engine start {r['startup_s']:.1f}s)")

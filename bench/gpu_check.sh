@@ -8,14 +8,13 @@
 # 2. a ~1B-parameter Llama built on the fly (demo/tiny_model.py: 20 layers, hidden 2048, bf16);
 # 3. generation throughput, vLLM on CUDA against transformers (bench/generation.py);
 # 4. one DeepSpeed learner step (tests/test_learner_step.py, which picks CUDA when present);
-# 5. weight rounds into a vLLM engine on CUDA (bench/weight_sync.py: broadcast and shared-memory
-#    rounds, the direct-copy load into the engine's parameters, publish -> serving), with the
-#    ~1B model's shape;
+# 5. weight rounds into a vLLM engine on CUDA (bench/weight_sync.py: broadcast rounds, and
+#    same-host rounds from a slot on the learner's device by CUDA IPC; the direct-copy load into
+#    the engine's parameters, publish -> serving), with the ~1B model's shape, and the CUDA IPC
+#    slot's own test (tests/test_shm_sync.py: bit-identical in another process);
 # 6. a 20-step run of the demo (launch.demo, asynchronous mode).
 # Every step has its own timeout; everything goes to one log, and a failing step does not stop
-# the next. The last lines of the log say which steps passed. Same-host CUDA IPC
-# (weight_sync/shm.py: cuda_ipc_handle / open_cuda_ipc) is not wired into a round yet, so step 5
-# measures the host path (gloo or shared memory, then a host-to-device copy in the engine).
+# the next. The last lines of the log say which steps passed.
 set -u
 cd "$(dirname "$0")/.."
 SMOKE=0
@@ -51,8 +50,9 @@ import json, safetensors.torch as st, os
 n = sum(t.numel() for t in st.load_file(os.path.join(p, 'model.safetensors')).values())
 print(json.dumps({'model': str(p), 'params_m': round(n / 1e6, 1)}))"
 
-step "generation vLLM vs transformers" 240 $PY bench/generation.py --models tiny,large --prompts $PROMPTS --repeat 2
+step "generation vLLM vs transformers" 300 $PY bench/generation.py --models tiny,$WORK/model --prompts $PROMPTS --repeat 2
 step "learner step" 240 $PY -m pytest -x -q tests/test_learner_step.py -p no:cacheprovider
+step "CUDA IPC slot" 120 $PY -m pytest -x -q tests/test_shm_sync.py -k "cuda or device_slot" -p no:cacheprovider
 step "weight rounds into vLLM" 300 $PY bench/weight_sync.py --layers $LAYERS --hidden $HIDDEN \
   --intermediate $INTER --reps $REPS
 step "demo ($STEPS steps)" 420 $PY -m launch.demo --learner.total_steps $STEPS --demo.warm_steps 0 \

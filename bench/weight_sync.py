@@ -17,10 +17,11 @@ A Llama of ~100M parameters (fp32, random weights, built on the fly) travels fro
   (e) shm_round:  the same through the shared-memory segment (`same_host: auto`, one host)
 (a) and (c) end with a 1-byte broadcast back from the receiver, so each time covers arrival.
 Then (d) rounds into a live vLLM engine (CPU build here) for the same model, alternating (b) and
-(e): `vllm_load_s` is the worker's load after the bytes arrived (`load_path`: `direct` copies
-into the engine's parameters, `reload_weights` where the engine repacks its weights, as the CPU
-build does), `vllm_publish_to_serving_s` runs from the learner calling publish to the engine
-answering a request on the new version (same host: one clock). The first two vLLM rounds warm up
+(e) (on a GPU, (e) with the slot on the device: CUDA IPC, `vllm_ipc_*`): `vllm_load_s` is the
+worker's load after the bytes arrived (`load_path`: `direct` copies into the engine's parameters,
+`repack` gives the CPU build's repacked layers their new weights and repacks them,
+`reload_weights` is vLLM's own reload), `vllm_publish_to_serving_s` runs from the learner calling
+publish to the engine answering a request on the new version (same host: one clock). The first two vLLM rounds warm up
 (receive buffers, the segment's pages). Medians over --reps. The last line printed is one JSON
 object, with every figure's ratio to raw.
 """
@@ -116,14 +117,15 @@ def vllm_generator(a) -> None:
             info = ws.poll()
             if info is None:
                 time.sleep(0.005)
-        t0 = time.monotonic()
+        t0, info_at = time.monotonic(), time.time()
         stats = engine.receive_weights(info)  # the first worker's stats; the engine is now at info.version
         assert engine.version == info.version
+        loaded_at = time.time()
         ws.done(info.version, load_s=stats["load_s"])
         # serving: the engine answers a request on the new weights (same host: one clock)
         engine.generate([[1, 2, 3]], 1, Sampling(max_tokens=1, temperature=0.0))
-        print("VLLM_STATS " + json.dumps({**stats, "rpc_s": time.monotonic() - t0, "serving_at": time.time()}),
-              flush=True)
+        print("VLLM_STATS " + json.dumps({**stats, "rpc_s": time.monotonic() - t0, "info_at": info_at,
+                                          "loaded_at": loaded_at, "serving_at": time.time()}), flush=True)
     engine.close()
 
 
@@ -268,7 +270,13 @@ def main() -> None:
 
     # (d) rounds into a live vLLM engine: load, and publish -> serving on the new version
     if not a.no_vllm:
-        result.update(vllm_rounds(a, model_dir, port, env, named, [sender, sender_shm], v, result["raw_s"]))
+        same_host = sender_shm
+        if torch.cuda.is_available():  # a learner on CUDA: the same-host slot on its device, CUDA IPC
+            same_host = WeightSender("127.0.0.1", port, timeout_s=120, join_timeout_s=60, bucket_mb=a.bucket_mb,
+                                     serve_in_background=False, same_host="shm", sender_id="bench-ipc",
+                                     backend="nccl")
+        result.update(vllm_rounds(a, model_dir, port, env, named, [sender, same_host], v, result["raw_s"]))
+        same_host.close()
     sender.close()
     sender_shm.close()
     svc.stop()
@@ -305,12 +313,16 @@ def vllm_rounds(a, model_dir: str, port: int, env: dict, named: list, senders: l
     if not all(r["ok"] == ["bench-vllm"] for r, _, _ in rows) or any(not w for _, w, _ in rows):
         return {**out, "vllm_error": f"rounds {[r for r, _, _ in rows]}"}
     for i, (r, w, p2s) in enumerate(rows):
-        print(f"(d) vLLM round {i + 1} via {w.get('via')}: receive {w['recv_s']:.3f} s, load ({w.get('load_path')}) "
-              f"{w['load_s']:.3f} s, publish -> serving {p2s:.3f} s", flush=True)
-    for via in ("broadcast", "shm"):
+        t_pub = w["serving_at"] - p2s
+        print(f"(d) vLLM round {i + 1} via {w.get('via')}: publish -> serving {p2s:.3f} s = gather "
+              f"{r.get('gather_s', 0):.3f} + round offered at the generator's poll {w['info_at'] - t_pub - r.get('gather_s', 0):.3f}"
+              f" + receive {w['recv_s']:.3f} + load ({w.get('load_path')}) {w['load_s']:.3f} + the rest of the engine "
+              f"call {w['loaded_at'] - w['info_at'] - w['recv_s'] - w['load_s']:.3f} + first token "
+              f"{w['serving_at'] - w['loaded_at']:.3f} s", flush=True)
+    for via in ("broadcast", "shm", "cuda_ipc"):
         warm = [(r, w, p2s) for r, w, p2s in rows[2:] if w.get("via") == via]
         if warm:
-            key = "vllm" if via == "broadcast" else "vllm_shm"
+            key = {"broadcast": "vllm", "shm": "vllm_shm", "cuda_ipc": "vllm_ipc"}[via]
             out[f"{key}_load_s"] = statistics.median(w["load_s"] for _, w, _ in warm)
             out[f"{key}_publish_to_serving_s"] = statistics.median(p for _, _, p in warm)
             out[f"ratio_{key}_load_vs_raw"] = out[f"{key}_load_s"] / raw_s

@@ -133,3 +133,17 @@ def greedy_accuracy(model_or_dir, problems: list[dict], max_new_tokens: int = 5)
     """Fraction of `problems` whose greedy answer (transformers) equals the label."""
     answers = greedy_answers(model_or_dir, problems, max_new_tokens)
     return sum(a == p["label"] for a, p in zip(answers, problems)) / max(1, len(problems))
+
+
+def bench_setup(out: str | Path, warm_steps: int) -> tuple[list[dict], Path, Path, float]:
+    """The demo's split (200 held-out problems, 3,000 training prompts in `out/train.jsonl`) and a
+    tiny model warm-started on it in `out/warm`: (held-out rows, prompts file, warm model folder,
+    its held-out greedy accuracy). What the benchmarks that compare two demo runs start from."""
+    from demo.tiny_model import build_tiny_model
+
+    out = Path(out)
+    heldout = make_problems(200, seed=10_000)
+    train = make_problems(3000, seed=0, exclude={q["prompt"] for q in heldout})
+    prompts = write_jsonl(train, out / "train.jsonl")
+    warm = warm_start(build_tiny_model(out / "base", seed=0), out / "warm", train, warm_steps, seed=0, log_every=0)
+    return heldout, prompts, warm, greedy_accuracy(str(warm), heldout)

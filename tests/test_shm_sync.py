@@ -85,6 +85,55 @@ def test_segment_round_trip_and_the_seqlock(tmp_path):
         seg.close()
 
 
+def test_a_device_slot_is_refused_by_a_cpu_member_and_its_handle_is_bounded(tmp_path):
+    """A segment whose slot is on the sender's CUDA device (`SameHost.ipc`) is not for a member
+    receiving onto the CPU (it takes the broadcast), nor for one whose handle cannot be mapped."""
+    seg = shm.Segment(str(tmp_path), "test")
+    try:
+        seg.ensure(bk.gather(_named(), 1 << 20)[0])
+        desc = SameHost(seg.path, seg.nonce, shm.host_id(), ipc=b"\x93not a handle")
+        assert shm.usable(SameHost(seg.path, seg.nonce, shm.host_id()), "cuda:0")  # a host slot serves CUDA too
+        assert not shm.usable(desc, "cpu")
+        assert not shm.usable(desc, "cuda:0")  # the handle does not map (no such device or no CUDA)
+        with pytest.raises(RoundMissed, match="cannot be used"):
+            shm.usable(SameHost(seg.path, seg.nonce, shm.host_id(), force=True, ipc=b"x"), "cpu")
+    finally:
+        seg.close()
+
+
+def _read_device_slot(desc: SameHost, version: int, manifest, q) -> None:
+    bufs = [torch.zeros(n, dtype=torch.uint8, device="cuda") for n in manifest.buckets]
+    ok = shm.usable(desc, "cuda")
+    if ok:
+        shm.read(desc, version, manifest, bufs)
+    q.put((ok, [b.cpu() for b in bufs]))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA IPC needs a CUDA device")
+def test_cuda_ipc_slot_delivers_the_version_to_another_process(tmp_path):
+    """GPU: the slot on the sender's device, mapped by another process through its IPC handle,
+    delivers the version bit for bit, device to device."""
+    import multiprocessing as mp
+
+    named = _named()
+    manifest, buckets = bk.gather(named, 1 << 20)
+    seg = shm.Segment(str(tmp_path), "test", torch.device("cuda", 0))
+    try:
+        seg.write(6, manifest, buckets)
+        assert seg.ipc and seg.slots == 1
+        desc = SameHost(seg.path, seg.nonce, shm.host_id(), ipc=seg.ipc)
+        ctx = mp.get_context("spawn")
+        q = ctx.Queue()
+        p = ctx.Process(target=_read_device_slot, args=(desc, 6, manifest, q))
+        p.start()
+        ok, bufs = q.get(timeout=120)
+        p.join(30)
+        assert ok
+        assert all(torch.equal(a, b) for (_, a), (_, b) in zip(bk.unpack(manifest, bufs), named))
+    finally:
+        seg.close()
+
+
 def _member(port: int, wid: str, out: dict, rounds: int = 1) -> None:
     ws = GeneratorSyncClient("127.0.0.1", port, wid)
     ws.register("transformers")

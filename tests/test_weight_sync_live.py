@@ -139,6 +139,8 @@ def test_vllm_round_matches_transformers_greedy(vllm_generator, tiny_model_dir, 
     ev = gen.wait(lambda e: e["kind"] == "round" and e["version"] == 5, 60)
     assert ev["outputs"] == want, "vLLM after the round differs from transformers with the sent weights"
     assert ev["stats"]["load_s"] > 0 and ev["mode"] == "finish"
+    # no reload_weights: the CPU build's repacked layers get their new weights and are repacked again
+    assert ev["stats"]["load_path"] == ("direct" if torch.cuda.is_available() else "repack")
     assert ev["stats"]["via"] == "shm"  # one host: the sender's shared-memory segment, not the broadcast
     st = status(port)
     assert st["generators"]["vllm0"]["version"] == 5 and st["generators"]["vllm0"]["lag"] == 0
@@ -190,6 +192,7 @@ def test_vllm_engine_survives_a_round_that_never_runs(vllm_generator, seed1_mode
     assert stats["ok"] == ["vllm0"], stats
     ev = gen.wait(lambda e: e["kind"] == "round" and e["version"] == 8, 60)
     assert ev["stats"]["via"] == "broadcast"
+    assert ev["stats"]["load_path"] == ("direct" if torch.cuda.is_available() else "repack")
     assert ev["outputs"] == greedy(seed1_model_dir, ready["prompt_ids"], len(ready["outputs"][0]))
 
 
@@ -308,7 +311,7 @@ def test_disk_round_and_disk_catch_up(tmp_path, tiny_model_dir, seed1_model_dir)
 
 
 # ---------------------------------------------------------------------------------------------
-# the direct-copy load (actors.vllm_worker.direct_plan) against vLLM's own load_weights
+# the plan load (actors.vllm_load) against vLLM's own load_weights
 
 _DIRECT_COPY_CHECK = r"""
 import json, os, sys, tempfile
@@ -317,7 +320,7 @@ from safetensors.torch import load_file
 from vllm.config import ModelConfig, VllmConfig, set_current_vllm_config
 from vllm.distributed import init_distributed_environment, initialize_model_parallel
 from vllm.model_executor.models.llama import LlamaForCausalLM
-from actors.vllm_worker import copy_direct, direct_plan
+from actors.vllm_load import apply_plan, load_plan
 
 model_dir = sys.argv[1]
 cfg = VllmConfig(model_config=ModelConfig(model=model_dir, dtype="float32"))
@@ -328,8 +331,9 @@ with set_current_vllm_config(cfg):
     by_load, by_copy = (LlamaForCausalLM(vllm_config=cfg, prefix=p) for p in ("a", "b"))
 named = list(load_file(os.path.join(model_dir, "model.safetensors")).items())
 by_load.load_weights(iter(named))
-plan = direct_plan(by_copy, named)
-copy_direct(plan, named)
+plan = load_plan(by_copy, named, staging={})
+assert plan is not None and plan.rebind == [] and None not in plan.dst  # nothing repacked yet: copies only
+apply_plan(plan, named)
 a, b = dict(by_load.named_parameters()), dict(by_copy.named_parameters())
 print(json.dumps({"fused": sorted(k for k in a if "qkv_proj" in k or "gate_up_proj" in k),
                   "names_equal": sorted(a) == sorted(b),
@@ -339,7 +343,7 @@ print(json.dumps({"fused": sorted(k for k in a if "qkv_proj" in k or "gate_up_pr
 
 def test_direct_copy_load_equals_load_weights(tiny_model_dir):
     """vLLM's Llama (its own class, one rank): copying the received tensors into the parameters
-    through `direct_plan` (fused qkv / gate_up rows, the padded vocabulary) gives exactly the
+    through `load_plan` (fused qkv / gate_up rows, the padded vocabulary) gives exactly the
     parameters its `load_weights` gives. (Run in a child: vLLM's parallel state is process-wide.)"""
     out = subprocess.run([sys.executable, "-c", _DIRECT_COPY_CHECK, str(tiny_model_dir)], env=subprocess_env(),
                          capture_output=True, text=True, timeout=300, cwd=str(ROOT))

@@ -71,13 +71,12 @@ class WeightSyncConfig(Section):
     """Shared folder for the `disk` backend (one sub-folder per version)."""
     disk_keep: int = Field(2, ge=1)
     """Versions kept in `disk_dir`; older ones are deleted."""
-    same_host: Literal["auto", "broadcast", "shm"] = "broadcast"
-    """How generators on learner rank 0's machine get the weights: `broadcast` (the default) =
-    always the broadcast; `auto` = through the sender's shared-memory segment when they can open it
-    (same hostname and boot id, same `/dev/shm`), else the broadcast; `shm` = same-host generators
-    must use the segment (one that cannot open it misses the round instead of falling back).
-    `auto` is not yet the default: the runs that kill and restart roles mid-round are tested on
-    the broadcast path only."""
+    same_host: Literal["auto", "broadcast", "shm"] = "auto"
+    """How generators on learner rank 0's machine get the weights: `auto` (the default) = through
+    the sender's shared-memory segment when they can open it (same hostname and boot id, same
+    `/dev/shm`), else the broadcast; `broadcast` = always the broadcast; `shm` = same-host
+    generators must use the segment (one that cannot open it misses the round instead of falling
+    back)."""
     shm_dir: str = "/dev/shm"
     """Folder of the shared-memory segment (a tmpfs; two version slots of the model's size)."""
     setup_timeout_s: float = Field(10.0, gt=0)

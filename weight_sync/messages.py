@@ -88,6 +88,7 @@ class SameHost(msgspec.Struct):
     nonce: Annotated[int, msgspec.Meta(ge=0, lt=1 << 62)]  # also in the segment's header
     host: Text  # the sender's `shm.host_id()`
     force: bool = False  # weight_sync.same_host='shm': a same-host member must not fall back
+    ipc: Annotated[bytes, msgspec.Meta(max_length=1024)] = b""  # the slot on the sender's CUDA device
 
 
 class RoundInfo(msgspec.Struct):

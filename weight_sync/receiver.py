@@ -5,7 +5,8 @@ plain transformers backend (`receive_into_model`). A member's steps (the keys an
 are in `weight_sync/round.py`):
 
 1. say `join/<rank>` (as `shm` when the round's shared-memory segment is on this host and this
-   process can open it: then it copies the version from there, `_read_shm`, and skips 2-4), and take the receive buffers (reused between rounds when the layout matches);
+   process can open it, or map its CUDA slot: then it copies the version from there, `_read_shm`,
+   and skips 2-4), and take the receive buffers (reused between rounds when the layout matches);
 2. wait for attempt k's roster; left out (or `abort`): `RoundMissed`, nothing loaded; say `ready`
    and wait for the sender's `go` (or attempt k+1's roster, when another member never answered);
 3. build attempt k's group and receive every bucket (`buckets.sent`) from group rank 0 into its
@@ -60,7 +61,7 @@ def receive_buckets(info: RoundInfo, local_rank: int = 0, device: Any = "cpu",
         rs = RoundStore(info.host, info.port, info.round_id, deadline - time.monotonic(), info.secret)
     except Exception as e:  # sender gone
         raise RoundMissed(f"rank {rank}: cannot reach the rendezvous store {info.host}:{info.port}: {e}") from None
-    via_shm = str(device) == "cpu" and info.shm is not None and shm.usable(info.shm)
+    via_shm = info.shm is not None and shm.usable(info.shm, device)
     rs.join(rank, shm=via_shm)
     sizes = list(info.manifest.buckets)
     if buffers is not None and [b.numel() for b in buffers] == sizes and all(
@@ -130,7 +131,8 @@ def _read_shm(info: RoundInfo, rs: RoundStore, rank: int, bufs: list, deadline: 
         raise
     recv_s = time.monotonic() - t_read
     rs.report("shm", rank, ok=True)
-    return bufs, {"recv_s": recv_s, "join_to_done_s": time.monotonic() - t0, "attempts": 1, "via": "shm",
+    return bufs, {"recv_s": recv_s, "join_to_done_s": time.monotonic() - t0, "attempts": 1,
+                  "via": "cuda_ipc" if info.shm.ipc else "shm",
                   "bytes": info.manifest.total_bytes, "buckets": len(bufs)}
 
 

@@ -53,7 +53,7 @@ from weight_sync.client import ask, channel
 from weight_sync.config import WeightSyncConfig
 from weight_sync.messages import Adapter, Go, Idle, PendingRequest, Ready, RoundResult, RoundStats, SameHost
 from weight_sync.round import RoundStore, dispose, pause, store_server
-from weight_sync.shm import Segment, host_id
+from weight_sync.shm import Segment, host_id, slot_device
 
 log = logging.getLogger("conveyor.weight_sync.sender")
 # After the first sign of trouble in an attempt (an `err` report, a failed broadcast), the others'
@@ -123,8 +123,9 @@ class WeightSender:
         # a roster or a group by (the store has no way to list its keys).
         self._secret = secrets.token_hex(16)
         # the shared-memory segment for generators on this host (weight_sync/shm.py)
-        self._segment = Segment(cfg.shm_dir, sender_id) if cfg.same_host != "broadcast" and backend != "disk" \
-            else None
+        self._segment = Segment(cfg.shm_dir, sender_id, then=slot_device(backend)) \
+            if cfg.same_host != "broadcast" and backend != "disk" else None
+        self._shm_warned = False
         self._flat: tuple[bk.Manifest, list] | None = None  # the latest version's layout and buckets
         self._latest: tuple[int, bk.Manifest, list] | None = None  # (version, manifest, buckets) for catch-ups
         self._last_pending_call: float | None = None
@@ -286,11 +287,14 @@ class WeightSender:
             return None
         try:
             self._segment.ensure(manifest)
-        except OSError as e:  # no room in /dev/shm: everyone takes the broadcast
-            log.warning("no shared-memory segment in %s (%s): same-host generators take the broadcast",
-                        self.cfg.shm_dir, e)
+        except (OSError, RuntimeError) as e:  # no room in /dev/shm or on the device: everyone takes the broadcast
+            if not self._shm_warned:
+                log.warning("no same-host segment in %s (%s): same-host generators take the broadcast",
+                            self.cfg.shm_dir, e)
+                self._shm_warned = True
             return None
-        return SameHost(self._segment.path, self._segment.nonce, host_id(), self.cfg.same_host == "shm")
+        return SameHost(self._segment.path, self._segment.nonce, host_id(), self.cfg.same_host == "shm",
+                        self._segment.ipc)
 
     def _round_deadline(self, deadline: float) -> float:
         """The data plane stops a little before `deadline`, so the round's report still fits."""
@@ -391,6 +395,7 @@ class WeightSender:
             reports = self._collect(rs, "shm", shm_ranks, deadline, None)
             ok_ranks |= {r for r, ok in reports.items() if ok}
             dead_ranks |= {r for r in shm_ranks if not reports.get(r)}
+            self._segment.served()
         failed = {owner[r] for r in dead_ranks} | {owner[r] for r in owner
                                                    if owner[r] not in absent_workers and r not in ok_ranks}
         out["missed"] = sorted(absent_workers)

@@ -25,9 +25,14 @@ private `/dev/shm` sees no such file and joins the broadcast). `weight_sync.same
 either side: `broadcast` never offers the segment, `shm` makes a same-host member that cannot
 open it fail instead of falling back.
 
-GPU: the same idea is CUDA IPC (a colocated vLLM maps the sender's device buffer through
-`torch.multiprocessing.reductions.reduce_tensor`, as colocated trainers do); `cuda_ipc_handle`
-and `open_cuda_ipc` below are that step, not yet wired into a round (they need a CUDA device).
+GPU: a sender whose learner runs on CUDA (backend nccl) keeps the slot on its device instead,
+one slot, and the file holds the header alone: the round's `SameHost.ipc` carries a CUDA IPC
+handle of the slot (`cuda_ipc_handle`: torch's own `reduce_tensor` fields, msgpack-encoded, the
+device named by its UUID, as colocated trainers share weights with their engines), and a member
+on a CUDA device of the same host maps it (`open_cuda_ipc`, once per segment) and copies the
+version device to device into its buffers, under the same seqlock. A member that cannot map it
+(a CPU member, a device it cannot reach) takes the broadcast. A CPU slot serves CUDA members too:
+they copy it host to device.
 """
 
 from __future__ import annotations
@@ -55,6 +60,16 @@ def host_id() -> str:
     return f"{socket.gethostname()}/{boot}"
 
 
+def slot_device(backend: str):
+    """Where a sender's same-host slot lives: on its CUDA device when it sends over NCCL (members
+    map it by CUDA IPC), else (None) in the shared-memory file."""
+    if backend != "nccl":
+        return None
+    import torch
+
+    return torch.device("cuda", torch.cuda.current_device())
+
+
 def bases(manifest: bk.Manifest) -> list[int]:
     """Byte offset of each bucket inside a slot (buckets back to back, each `bk.ALIGN`-aligned)."""
     out, pos = [], 0
@@ -73,8 +88,14 @@ def _map(path: str, nbytes: int):
 class Segment:
     """The sender's segment: created for a slot size, written once per version."""
 
-    def __init__(self, folder: str = "/dev/shm", tag: str = "ws"):
-        self.folder, self.tag = folder, tag
+    def __init__(self, folder: str = "/dev/shm", tag: str = "ws", device=None, then=None):
+        """`device`: a CUDA device to keep the slot on (shared by CUDA IPC); None: in the file.
+        `then`: the device the slot moves to once it has served a round (`served`): device memory
+        is spent only where a same-host member uses it."""
+        self.folder, self.tag, self.device, self.then = folder, tag, device, then
+        self.slots = 1 if device is not None else 2
+        self.ipc = b""  # the device slot's CUDA IPC handle (`cuda_ipc_handle`)
+        self._dev = None
         self.path = ""
         self.nonce = 0
         self.slot_bytes = 0
@@ -90,17 +111,20 @@ class Segment:
         if self._mem is not None and need == self.slot_bytes:
             return
         self.close()
+        size = HEADER + (0 if self.device is not None else self.slots * need)
         st = os.statvfs(self.folder)
-        if st.f_bavail * st.f_frsize < HEADER + 2 * need:
+        if st.f_bavail * st.f_frsize < size:
             # a tmpfs without room would fail the writer's page faults with SIGBUS, not an error
-            raise OSError(f"{self.folder} has {st.f_bavail * st.f_frsize} bytes free, the segment needs "
-                          f"{HEADER + 2 * need}")
+            raise OSError(f"{self.folder} has {st.f_bavail * st.f_frsize} bytes free, the segment needs {size}")
+        if self.device is not None:
+            self._dev = torch.empty(need, dtype=torch.uint8, device=self.device)
+            self.ipc = cuda_ipc_handle(self._dev)
         self.nonce = secrets.randbits(62)
         name = os.path.join(self.folder, f"conveyor-{self.tag}-{os.getpid()}-{self.nonce:x}")
         self._fd = os.open(name, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         try:
-            os.ftruncate(self._fd, HEADER + 2 * need)
-            self._mem = _map(name, HEADER + 2 * need)
+            os.ftruncate(self._fd, size)
+            self._mem = _map(name, size)
         finally:
             # unlinked at once: the memory goes back when this process ends, however it ends;
             # readers open it through this process's descriptor
@@ -121,29 +145,39 @@ class Segment:
 
         t0 = time.monotonic()
         self.ensure(manifest)
-        s = version % 2
+        s = version % self.slots
         words = self._mem[:HEADER].view(torch.int64)
-        slot = self._mem[HEADER + s * self.slot_bytes:HEADER + (s + 1) * self.slot_bytes]
+        slot = self._dev if self._dev is not None else \
+            self._mem[HEADER + s * self.slot_bytes:HEADER + (s + 1) * self.slot_bytes]
         base = bases(manifest)
         words[_SEQ + 2 * s] += 1  # odd: being written
         for b in bk.sent(manifest):
-            slot[base[b]:base[b] + manifest.buckets[b]].copy_(buckets[b])
+            slot[base[b]:base[b] + manifest.buckets[b]].copy_(buckets[b], non_blocking=True)
+        if self._dev is not None:
+            torch.cuda.synchronize(self._dev.device)  # the bytes are on the device before the version says so
         words[_VERSION + 2 * s] = version
         words[_SEQ + 2 * s] += 1  # even: complete
         self.written = version
         return time.monotonic() - t0
 
+    def served(self) -> None:
+        """A round had same-host members: from the next one, the slot is on `then` (if set)."""
+        if self.then is not None and self.device is None:
+            self.close()
+            self.device, self.slots = self.then, 1
+
     def close(self) -> None:
-        self._mem = None
+        self._mem = self._dev = None
+        self.ipc = b""
         if self._fd is not None:
             os.close(self._fd)
             self._fd = None
         self.path = ""
 
 
-def usable(shm) -> bool:
-    """Whether this member can take a round through the segment `shm` (a `messages.SameHost`);
-    with `shm.force`, a same-host member that cannot open it raises `RoundMissed` instead."""
+def usable(shm, device="cpu") -> bool:
+    """Whether this member, receiving onto `device`, can take a round through the segment `shm` (a
+    `messages.SameHost`); with `shm.force`, a same-host member that cannot raises `RoundMissed`."""
     import torch
 
     if shm is None or shm.host != host_id():
@@ -153,11 +187,28 @@ def usable(shm) -> bool:
             raise OSError(f"no file {shm.path}")
         words = _map(shm.path, HEADER)[:HEADER].view(torch.int64)
         ok = int(words[0]) == MAGIC and int(words[1]) == shm.nonce
+        if ok and shm.ipc:  # the slot is on the sender's device: a CUDA member maps it
+            ok = str(device).startswith("cuda") and _device_slot(shm) is not None
     except (OSError, RuntimeError):
         ok = False
     if not ok and shm.force:
-        raise RoundMissed(f"weight_sync.same_host='shm' but segment {shm.path} cannot be opened here")
+        raise RoundMissed(f"weight_sync.same_host='shm' but segment {shm.path} cannot be used here")
     return ok
+
+
+_OPENED: dict[tuple[str, int], object] = {}  # (path, nonce) -> the mapped device slot, or None if it failed
+
+
+def _device_slot(shm):
+    """The sender's device slot behind `shm.ipc`, mapped once per segment; None if it cannot be."""
+    key = (shm.path, shm.nonce)
+    if key not in _OPENED:
+        try:
+            _OPENED.clear()  # an older segment's mapping goes (the sender made a new one)
+            _OPENED[key] = open_cuda_ipc(shm.ipc)
+        except Exception:  # another container's device, no CUDA here, a handle from another torch
+            _OPENED[key] = None
+    return _OPENED[key]
 
 
 def read(shm, version: int, manifest: bk.Manifest, buffers: Sequence) -> None:
@@ -166,27 +217,53 @@ def read(shm, version: int, manifest: bk.Manifest, buffers: Sequence) -> None:
     import torch
 
     need = bases(manifest)[-1]
-    mem = _map(shm.path, HEADER + 2 * need)
+    slots = 1 if shm.ipc else 2
+    mem = _map(shm.path, HEADER + (0 if shm.ipc else slots * need))
     words = mem[:HEADER].view(torch.int64)
-    s = version % 2
+    s = version % slots
     seq = int(words[_SEQ + 2 * s])
     if seq % 2 or int(words[_VERSION + 2 * s]) != version:
         raise RoundMissed(f"shared-memory slot {s} holds v{int(words[_VERSION + 2 * s])} (seq {seq}), not v{version}")
-    slot = mem[HEADER + s * need:HEADER + (s + 1) * need]
+    slot = _device_slot(shm) if shm.ipc else mem[HEADER + s * need:HEADER + (s + 1) * need]
+    if slot is None or slot.numel() < need:
+        raise RoundMissed(f"the device slot of segment {shm.path} cannot be mapped here")
     for base, buf in zip(bases(manifest), buffers):
-        buf.copy_(slot[base:base + buf.numel()])
+        buf.copy_(slot[base:base + buf.numel()], non_blocking=True)
+    if any(b.is_cuda for b in buffers):
+        torch.cuda.synchronize()  # copied before the seq is read again
     if int(words[_SEQ + 2 * s]) != seq:
         raise RoundMissed(f"v{version} was overwritten in shared memory while it was being read")
 
 
-def cuda_ipc_handle(tensor):
-    """A picklable handle another process of this host opens with `open_cuda_ipc` (CUDA only)."""
+def cuda_ipc_handle(tensor) -> bytes:
+    """A CUDA tensor's IPC handle as bytes another process of this host opens with `open_cuda_ipc`:
+    the fields of torch's `reduce_tensor` (what `torch.multiprocessing` pickles), msgpack-encoded,
+    with the device named by its UUID (device indices differ between processes' visible devices)."""
+    import msgspec
+    import torch
     from torch.multiprocessing.reductions import reduce_tensor
 
-    return reduce_tensor(tensor)
+    _, (_cls, size, stride, offset, _scls, dtype, device, handle, size_bytes, offset_bytes, _grad,
+        ref_handle, ref_offset, event_handle, event_sync) = reduce_tensor(tensor.detach())
+    if dtype != torch.uint8 or list(stride) != [1]:
+        raise ValueError("a flat uint8 tensor is shared")
+    uuid = str(torch.cuda.get_device_properties(device).uuid)
+    return msgspec.msgpack.encode([uuid, list(size), offset, handle, size_bytes, offset_bytes, ref_handle,
+                                   ref_offset, event_handle, bool(event_sync)])
 
 
-def open_cuda_ipc(handle):
-    """The sender's device tensor behind `handle`, mapped into this process (no copy)."""
-    rebuild, args = handle
-    return rebuild(*args)
+def open_cuda_ipc(blob: bytes):
+    """The sender's device tensor behind `blob` (`cuda_ipc_handle`), mapped into this process with
+    no copy; raises when no device of this process has the sender's UUID."""
+    import msgspec
+    import torch
+    from torch.multiprocessing.reductions import rebuild_cuda_tensor
+
+    uuid, size, offset, handle, size_bytes, offset_bytes, ref_handle, ref_offset, event_handle, event_sync = \
+        msgspec.msgpack.decode(blob)
+    devices = [i for i in range(torch.cuda.device_count()) if str(torch.cuda.get_device_properties(i).uuid) == uuid]
+    if not devices:
+        raise RuntimeError(f"no visible CUDA device is {uuid}")
+    return rebuild_cuda_tensor(torch.Tensor, torch.Size(size), (1,), offset, torch.UntypedStorage, torch.uint8,
+                               devices[0], handle, size_bytes, offset_bytes, False, ref_handle, ref_offset,
+                               event_handle, event_sync)

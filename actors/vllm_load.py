@@ -1,0 +1,122 @@
+"""Loading a received round into a running vLLM model at memory speed, without `load_weights`.
+
+vLLM's own way to take new weights, `reload_weights`, restores every layer's checkpoint-format
+parameters, runs the model's `load_weights` (name mapping, a copy into fresh tensors) and then
+each layer's `process_weights_after_loading` again. Most of that is needed only once: a round
+carries the same names and shapes every time. `load_plan` works out once per round where each
+received tensor goes, and `apply_plan` puts it there:
+
+- a parameter the kernels read as it is (GPU builds, norms, embeddings) gets a copy into its own
+  storage: the received tensor, or its rows of a fused parameter (vLLM's
+  `packed_modules_mapping`: q/k/v_proj -> qkv_proj, gate/up_proj -> gate_up_proj, the shards
+  stacked along dim 0 in the listed order, as `load_weights` stacks them on one tensor-parallel
+  rank), or the first rows of a vocabulary padded to a multiple of 64;
+- a layer whose kernel computes from a repacked copy of its weight (the CPU build's `cpu_linear`:
+  oneDNN, or sgl's packed weights, made by `dispatch_cpu_unquantized_gemm`, which then drops the
+  original) is given its new weight and processed again by its own quantisation method, as after
+  a checkpoint load: the received tensor itself where it is the whole weight, else a fused weight
+  assembled in a staging tensor the worker keeps between rounds. Every such layer is processed
+  again, so a tied LM head follows its embedding.
+
+`load_plan` returns None when a tensor has no such place (a sharded engine, a renamed or
+quantised parameter, another dtype), and the caller loads with `reload_weights` instead.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+
+class LoadPlan(NamedTuple):
+    dst: list
+    """Where each received tensor is copied, in the round's order; None: it is used as it is."""
+    rebind: list
+    """(layer, tensor): the layer's new weight, set before the layer is processed again."""
+    reprocess: list
+    """Layers whose kernels read a repacked copy of their weight: processed again after the copy."""
+
+
+def _repacked(module) -> bool:
+    return hasattr(module, "cpu_linear") and hasattr(module, "quant_method")
+
+
+def load_plan(model, named: list, staging: dict | None = None) -> LoadPlan | None:
+    """Where each of `named`'s (HF name, tensor) pairs goes in `model`, or None (see the module's
+    docstring). `staging`: the worker's fused weights of repacked layers, kept between rounds;
+    None refuses repacked layers (a plain copy into them would not reach their kernels)."""
+    params = dict(model.named_parameters())
+    modules = dict(model.named_modules())
+    packed = getattr(model, "packed_modules_mapping", {}) or {}
+    shards = {part: (fused, i) for fused, parts in packed.items() for i, part in enumerate(parts)}
+    sizes = {name: t.shape for name, t in named}
+    dst_of, rebind = [], {}
+    for name, t in named:
+        module, _, leaf = name.rpartition(".")
+        parent, _, attr = module.rpartition(".")
+        if name in params:
+            target, lo, whole = name, 0, tuple(t.shape)
+        elif attr in shards:
+            fused, i = shards[attr]
+            target = f"{parent}.{fused}.{leaf}" if parent else f"{fused}.{leaf}"
+            parts = [f"{parent}.{p}.{leaf}" if parent else f"{p}.{leaf}" for p in packed[fused]]
+            if target not in params or any(p not in sizes or tuple(sizes[p][1:]) != tuple(t.shape[1:]) for p in parts):
+                return None
+            lo = sum(sizes[p][0] for p in parts[:i])
+            whole = (sum(sizes[p][0] for p in parts), *t.shape[1:])  # every part is in the round
+        else:
+            return None
+        owner_name = target.rpartition(".")[0]
+        owner, dst = modules.get(owner_name), params[target]
+        if _repacked(owner):
+            if staging is None:
+                return None
+            if dst.numel() == 0 and leaf == "weight":
+                # the layer dropped its weight for a repacked copy: a new one, then processed again
+                if dst.dtype != t.dtype or whole != _weight_shape(owner):
+                    return None
+                if whole == tuple(t.shape):
+                    dst_of.append(None)  # the received tensor is the whole weight
+                    rebind[owner_name] = (owner, t)
+                    continue
+                if target not in staging or tuple(staging[target].shape) != whole:
+                    import torch
+
+                    staging[target] = torch.empty(whole, dtype=t.dtype, device=t.device)
+                rebind[owner_name] = (owner, staging[target])
+                dst = staging[target]
+        if tuple(dst.shape) != whole:
+            padded = hasattr(owner, "org_vocab_size")  # vocab rows padded to a multiple of 64
+            if not (padded and target == name and dst.shape[1:] == t.shape[1:] and dst.shape[0] >= t.shape[0]):
+                return None
+            dst = dst[:t.shape[0]]  # load_weights fills these rows; the padding stays as it is
+        if dst.dtype != t.dtype:
+            return None
+        dst_of.append(dst if whole == tuple(t.shape) else dst[lo:lo + t.shape[0]])
+    if any(_repacked(m) and n not in rebind and getattr(m, "weight", None) is not None and m.weight.numel() == 0
+           for n, m in modules.items()):
+        return None  # a repacked layer without its weight in the round
+    reprocess = [m for m in modules.values() if _repacked(m)] if staging is not None else []
+    return LoadPlan(dst_of, list(rebind.values()), reprocess)
+
+
+def _weight_shape(layer) -> tuple | None:
+    """(out, in) of a linear layer's unsharded-here weight, from the sizes vLLM gave it."""
+    out, inp = getattr(layer, "output_size_per_partition", None), getattr(layer, "input_size_per_partition", None)
+    return (int(out), int(inp)) if out is not None and inp is not None else None
+
+
+def apply_plan(plan: LoadPlan, named: list) -> None:
+    """Copy each received tensor into its place, give repacked layers their new weights and
+    process them again (no allocation but a first round's staging)."""
+    import torch
+
+    with torch.no_grad():
+        for dst, (_, t) in zip(plan.dst, named, strict=True):
+            if dst is not None:
+                dst.copy_(t, non_blocking=True)
+        if plan.dst and any(d is not None and d.is_cuda for d in plan.dst):
+            torch.cuda.synchronize()
+        for layer, weight in plan.rebind:
+            layer.weight = torch.nn.Parameter(weight, requires_grad=False)
+        for layer in plan.reprocess:
+            layer.quant_method.process_weights_after_loading(layer)
