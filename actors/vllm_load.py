@@ -14,9 +14,10 @@ received tensor goes, and `apply_plan` puts it there:
 - a layer whose kernel computes from a repacked copy of its weight (the CPU build's `cpu_linear`:
   oneDNN, or sgl's packed weights, made by `dispatch_cpu_unquantized_gemm`, which then drops the
   original) is given its new weight and processed again by its own quantisation method, as after
-  a checkpoint load: the received tensor itself where it is the whole weight, else a fused weight
-  assembled in a staging tensor the worker keeps between rounds. Every such layer is processed
-  again, so a tied LM head follows its embedding.
+  a checkpoint load: the weight is assembled in a staging tensor the worker keeps between rounds
+  (never the receive buffers themselves, which the next round overwrites before it is known to
+  succeed: a kernel that keeps a reference to its weight, as zentorch's unpacked path does, must
+  not see that). Every such layer is processed again, so a tied LM head follows its embedding.
 
 `load_plan` returns None when a tensor has no such place (a sharded engine, a renamed or
 quantised parameter, another dtype), and the caller loads with `reload_weights` instead.
@@ -29,7 +30,7 @@ from typing import NamedTuple
 
 class LoadPlan(NamedTuple):
     dst: list
-    """Where each received tensor is copied, in the round's order; None: it is used as it is."""
+    """Where each received tensor is copied, in the round's order."""
     rebind: list
     """(layer, tensor): the layer's new weight, set before the layer is processed again."""
     reprocess: list
@@ -42,7 +43,7 @@ def _repacked(module) -> bool:
 
 def load_plan(model, named: list, staging: dict | None = None) -> LoadPlan | None:
     """Where each of `named`'s (HF name, tensor) pairs goes in `model`, or None (see the module's
-    docstring). `staging`: the worker's fused weights of repacked layers, kept between rounds;
+    docstring). `staging`: the worker's weights of repacked layers, kept between rounds;
     None refuses repacked layers (a plain copy into them would not reach their kernels)."""
     params = dict(model.named_parameters())
     modules = dict(model.named_modules())
@@ -74,10 +75,6 @@ def load_plan(model, named: list, staging: dict | None = None) -> LoadPlan | Non
                 # the layer dropped its weight for a repacked copy: a new one, then processed again
                 if dst.dtype != t.dtype or whole != _weight_shape(owner):
                     return None
-                if whole == tuple(t.shape):
-                    dst_of.append(None)  # the received tensor is the whole weight
-                    rebind[owner_name] = (owner, t)
-                    continue
                 if target not in staging or tuple(staging[target].shape) != whole:
                     import torch
 
@@ -112,9 +109,8 @@ def apply_plan(plan: LoadPlan, named: list) -> None:
 
     with torch.no_grad():
         for dst, (_, t) in zip(plan.dst, named, strict=True):
-            if dst is not None:
-                dst.copy_(t, non_blocking=True)
-        if plan.dst and any(d is not None and d.is_cuda for d in plan.dst):
+            dst.copy_(t, non_blocking=True)
+        if any(d.is_cuda for d in plan.dst):
             torch.cuda.synchronize()
         for layer, weight in plan.rebind:
             layer.weight = torch.nn.Parameter(weight, requires_grad=False)

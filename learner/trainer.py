@@ -157,6 +157,9 @@ def train(cfg: LearnerConfig, source, rank: int, world: int, device: torch.devic
             if rank == 0:
                 if synced.get("bytes"):
                     metrics["sync/bytes"] = float(synced["bytes"])  # (a LoRA policy sends its adapter only)
+                    # generators the round reached, and those of them served by the same-host slot
+                    metrics["sync/members"] = float(len(synced.get("ok", [])))
+                    metrics["sync/same_host"] = float(synced.get("same_host", 0))
                 # the buffer's own numbers are rank 0's share's (their keys may differ between ranks)
                 for k, v in buffer_stats(batch).items():
                     metrics.setdefault(k, v)

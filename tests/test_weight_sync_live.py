@@ -332,7 +332,7 @@ with set_current_vllm_config(cfg):
 named = list(load_file(os.path.join(model_dir, "model.safetensors")).items())
 by_load.load_weights(iter(named))
 plan = load_plan(by_copy, named, staging={})
-assert plan is not None and plan.rebind == [] and None not in plan.dst  # nothing repacked yet: copies only
+assert plan is not None and plan.rebind == []  # nothing repacked yet: copies only
 apply_plan(plan, named)
 a, b = dict(by_load.named_parameters()), dict(by_copy.named_parameters())
 print(json.dumps({"fused": sorted(k for k in a if "qkv_proj" in k or "gate_up_proj" in k),

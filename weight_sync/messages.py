@@ -154,6 +154,7 @@ class RoundStats(msgspec.Struct):
     transfer_s: Seconds = 0.0
     confirm_s: Seconds = 0.0
     shm_s: Seconds = 0.0  # writing the version into the shared-memory segment (same-host members)
+    same_host: Count = 0  # members served by the same-host slot instead of the broadcast
 
 
 # ---- generator <-> service ------------------------------------------------------------------

@@ -336,7 +336,7 @@ class WeightSender:
         present = sorted(r for r in owner if owner[r] not in absent_workers)
         shm_ranks = [r for r in present if via.get(r) == "shm"]
         todo = [r for r in present if via.get(r) != "shm"]
-        out["join_s"] = time.monotonic() - t_join
+        out["join_s"], out["same_host"] = time.monotonic() - t_join, len(shm_ranks)
 
         # 1b. members on this host: the version into the shared-memory segment, once
         if shm_ranks:
