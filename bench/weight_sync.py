@@ -146,7 +146,7 @@ def main() -> None:
     p.add_argument("--model", default="")
     p.add_argument("--port", type=int, default=0)
     p.add_argument("--store-port", type=int, default=0)
-    p.add_argument("--vllm-rounds", type=int, default=4)
+    p.add_argument("--vllm-rounds", type=int, default=8, help="rounds into vLLM, alternating paths; the first two warm up")
     p.add_argument("--backend", default="gloo", choices=["gloo", "nccl"],
                    help="nccl: both ends on GPUs (needs two: NCCL refuses two ranks on one device)")
     a = p.parse_args()
