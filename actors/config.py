@@ -45,6 +45,12 @@ class GeneratorConfig(WeightSyncAddress, BufferAddress):
     worker_extension: str = "actors.vllm_worker.WorkerExtension"
     """vLLM: dotted path of the worker extension class that receives weights (`receive_weights`).
     Skipped, with a warning, when its module cannot be found."""
+    cpu_linear: Literal["auto", "plain", "packed"] = "auto"
+    """vLLM's CPU build: `packed` = its linear layers compute from a copy of their weights repacked
+    for oneDNN (vLLM's default), so every weight round repacks them; `plain` = torch's linear on
+    the weights as they are, so a round is a copy into them at memory speed; `auto` = plain for
+    float32 (MKL's sgemm: as fast as the packed kernel here, see bench/generation.py
+    --cpu-linear), packed otherwise. GPU engines ignore it."""
     lora_rank: int = Field(0, ge=0)
     """The learner trains LoRA adapters of this rank (tied from learner.lora_rank): weight rounds
     then carry only the adapter, which vLLM serves with its LoRA support on (the CPU build too)

@@ -20,6 +20,7 @@ import asyncio
 import importlib.util
 import itertools
 import logging
+import os
 import shutil
 import tempfile
 import threading
@@ -27,7 +28,7 @@ from concurrent.futures import Future
 from typing import Any
 
 from actors.engines import Completion, Engine, Sampling
-from actors.vllm_worker import apply_round_async, lora_request, rpc_timeout
+from actors.vllm_worker import CPU_LINEAR_ENV, apply_round_async, lora_request, rpc_timeout, use_cpu_linear
 from weight_sync.messages import RoundInfo, round_info, to_builtins
 
 log = logging.getLogger(__name__)
@@ -98,9 +99,14 @@ class _VLLMBackend(Engine):
 
     def __init__(self, model: str, *, tokenizer: str = "", dtype: str = "float32", seed: int = 0,
                  tensor_parallel_size: int = 1, gpu_memory_utilization: float = 0.0, max_model_len: int = 0,
-                 worker_extension: str = "actors.vllm_worker.WorkerExtension", lora_rank: int = 0):
+                 worker_extension: str = "actors.vllm_worker.WorkerExtension", lora_rank: int = 0,
+                 cpu_linear: str = "auto"):
         kwargs = _vllm_kwargs(model, tokenizer, dtype, seed, tensor_parallel_size, gpu_memory_utilization,
                               max_model_len, worker_extension, lora_rank)
+        # read by the worker extension's module in vLLM's worker process, before the model is built
+        os.environ[CPU_LINEAR_ENV] = "plain" if cpu_linear == "plain" or (cpu_linear == "auto" and dtype == "float32") \
+            else "packed"
+        use_cpu_linear()  # (for an engine core in this process)
         self.has_extension = "worker_extension_cls" in kwargs
         self.version = 0
         # LoRA: where adapter rounds are written, and the request every prompt names (None: no LoRA)

@@ -34,10 +34,28 @@ as they do with new full weights, so the version labels stay right in `interrupt
 from __future__ import annotations
 
 import os
+import sys
 import time
 
 LORA_NAME = "policy"
 LORA_ID = 1  # the one adapter id every request uses (vLLM ids start at 1)
+CPU_LINEAR_ENV = "CONVEYOR_CPU_LINEAR"  # `plain` or `packed`: generator.cpu_linear, resolved by the engine
+
+
+def use_cpu_linear() -> None:
+    """In a process that builds vLLM models on CPU: with `plain`, vLLM's linear layers keep their
+    weights and use torch's linear (its `dispatch_cpu_unquantized_gemm` falls back to it when
+    oneDNN is unavailable), so a weight round is a copy into them. Must run before the model is
+    built: vLLM's worker process imports this module (the worker extension) before it loads."""
+    mode = os.environ.get(CPU_LINEAR_ENV)
+    if mode == "plain" or (mode == "packed" and "vllm._custom_ops" in sys.modules):
+        import torch
+        from vllm import _custom_ops
+
+        _custom_ops._supports_onednn = mode == "packed" and hasattr(torch.ops._C, "create_onednn_mm_handler")
+
+
+use_cpu_linear()
 
 
 def lora_request(folder: str):
@@ -97,7 +115,7 @@ class WorkerExtension:
             plan = load_plan(self.model_runner.get_model(), named, self.__dict__.setdefault("_weight_sync_staging", {}))
             if plan is not None:
                 apply_plan(plan, named)
-                stats["load_path"] = "repack" if plan.reprocess else "direct"
+                stats["load_path"] = "repack" if plan.rebind else "direct"
             else:
                 # reload_weights, not model.load_weights: the latter fails on the CPU build once the
                 # weights have been repacked into kernel layout

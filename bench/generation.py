@@ -1,9 +1,12 @@
 """Generation throughput: the vLLM backend against the transformers backend, same model, same prompts.
 
     python bench/generation.py [--prompts 32] [--n 4] [--max-tokens 64] [--models tiny,large] [--repeat 3]
+                               [--cpu-linear auto,packed]
 
 Models are built on the fly (demo/tiny_model.py): `tiny` (2 layers, hidden 128) and `large`
-(8 layers, hidden 512). Each engine gets one untimed warm-up call, then `--repeat` timed
+(8 layers, hidden 512), or given as folders. vLLM runs as a generator builds it, once per
+`--cpu-linear` setting (on CPU: `auto` = torch's linear on plain float32 weights, which a weight
+round copies into; `packed` = vLLM's oneDNN kernels on repacked weights, which a round repacks). Each engine gets one untimed warm-up call, then `--repeat` timed
 `generate` calls of n samples for every prompt at temperature 1; the fastest is reported (the
 machine may be shared), with all of them alongside. Generated tokens are counted from the outputs (both
 backends stop at eos). Progress goes to stderr; the last line on stdout is one JSON object.
@@ -31,12 +34,13 @@ def say(msg: str) -> None:
 
 
 def bench_engine(kind: str, model_dir: str, prompt_ids: list[list[int]], n: int, max_tokens: int, seed: int,
-                 repeat: int) -> dict:
+                 repeat: int, cpu_linear: str = "auto") -> dict:
     from actors.engines import Sampling, TransformersEngine, VLLMEngine
 
     t0 = time.perf_counter()
     if kind == "vllm":
-        engine = VLLMEngine(model_dir, dtype="float32", seed=seed, worker_extension="")
+        # as a generator builds it (its worker extension applies generator.cpu_linear on CPU)
+        engine = VLLMEngine(model_dir, dtype="float32", seed=seed, cpu_linear=cpu_linear)
     else:
         engine = TransformersEngine(model_dir, dtype="float32", seed=seed)
     startup_s = time.perf_counter() - t0
@@ -67,6 +71,8 @@ def main(argv: list[str] | None = None) -> None:
                    help=f"comma-separated, of {list(MODELS)}, or model folders (e.g. a ~1B Llama built beforehand)")
     p.add_argument("--repeat", type=int, default=3, help="timed runs per engine; the fastest is reported")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--cpu-linear", default="auto,packed", help="vLLM's CPU linear kernels to run, comma-separated, "
+                   "of auto (a generator's default: plain for float32), plain, packed (vLLM's oneDNN default)")
     a = p.parse_args(argv)
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # keep stderr to the progress lines
@@ -91,18 +97,19 @@ def main(argv: list[str] | None = None) -> None:
             tok = AutoTokenizer.from_pretrained(model_dir)
             prompt_ids = [tok.encode(q) for q in prompts]
             n_params = sum(t.numel() for t in load_file(str(Path(model_dir) / "model.safetensors")).values())
-            for kind in ("vllm", "transformers"):
-                say(f"{name} ({n_params / 1e6:.1f}M params), {kind}: {len(prompts)} prompts x {a.n} samples, "
-                    f"up to {a.max_tokens} tokens")
-                r = {"model": name, **MODELS.get(name, {}), "params": n_params,
-                     **bench_engine(kind, model_dir, prompt_ids, a.n, a.max_tokens, a.seed, a.repeat)}
+            runs = [("vllm", c) for c in a.cpu_linear.split(",")] + [("transformers", "")]
+            for kind, cpu_linear in runs:
+                say(f"{name} ({n_params / 1e6:.1f}M params), {kind} {cpu_linear}: {len(prompts)} prompts x {a.n} "
+                    f"samples, up to {a.max_tokens} tokens")
+                r = {"model": name, **MODELS.get(name, {}), "params": n_params, "cpu_linear": cpu_linear,
+                     **bench_engine(kind, model_dir, prompt_ids, a.n, a.max_tokens, a.seed, a.repeat, cpu_linear or "auto")}
                 say(f"  best of {a.repeat}: {r['tokens']} tokens in {r['seconds']:.2f}s: {r['tokens_per_s']:.0f} tok/s "
                     f"(all runs {r['all_tokens_per_s']}; engine start {r['startup_s']:.1f}s)")
                 results.append(r)
     speedup = {}
     for name in a.models.split(","):
-        by = {r["engine"]: r["tokens_per_s"] for r in results if r["model"] == name}
-        speedup[name] = round(by["vllm"] / by["transformers"], 2)
+        by = {(r["engine"], r["cpu_linear"]): r["tokens_per_s"] for r in results if r["model"] == name}
+        speedup[name] = {c or "transformers": round(v / by[("transformers", "")], 2) for (_, c), v in by.items()}
     out = {"bench": "generation", "torch_threads": torch.get_num_threads(), "prompts": a.prompts, "n": a.n,
            "max_tokens": a.max_tokens, "repeat": a.repeat, "results": results, "vllm_speedup": speedup}
     print(json.dumps(out))

@@ -179,6 +179,43 @@ def test_shared_memory_round_is_bit_identical_to_the_broadcast_round(service):
         assert torch.equal(b, sent), name
 
 
+def test_after_a_same_host_round_the_gather_writes_into_the_slot(service):
+    """Once a round had a member on this host, the sender gathers each version straight into the
+    slot (no write of its own per round): the member gets every version bit for bit, and a
+    gather that fails half-way leaves a slot no member takes for a version."""
+    svc, port = service
+    named = _named()
+    out: dict = {}
+    t = threading.Thread(target=_member, args=(port, "g0", out, 3))
+    t.start()
+    while "g0" not in svc.state.generators:
+        time.sleep(0.01)
+    versions = {v: [(n, x + v if x.is_floating_point() else x + v) for n, x in named] for v in (1, 2, 3)}
+    with WeightSender("127.0.0.1", port, timeout_s=20, join_timeout_s=10, same_host="auto",
+                      serve_in_background=False) as s:
+        stats = [s.publish(1, versions[1])]
+        seg = s._segment
+        assert seg.direct  # reserved for the gather after its first same-host round
+
+        def broken():  # the learner fails half-way through version 4's gather
+            yield from named[:2]
+            raise RuntimeError("gather failed")
+
+        with pytest.raises(RuntimeError, match="gather failed"):
+            s.publish(4, broken())
+        words = seg._mem[:shm.HEADER].view(torch.int64)
+        assert int(words[shm._VERSION]) == -1 and int(words[shm._SEQ]) % 2 == 0  # slot 0: no version
+        stats += [s.publish(v, versions[v]) for v in (2, 3)]
+    t.join(30)
+    assert [st["ok"] for st in stats] == [["g0"]] * 3, stats
+    assert stats[0]["shm_s"] > 0 and stats[1]["shm_s"] == stats[2]["shm_s"] == 0.0  # gathered into the slot
+    manifest = bk.plan(bk.specs_of(named)[0], 256 << 20)
+    for v, via, bufs in out["g0"]:
+        assert via == "shm"
+        for (name, sent), (_, got) in zip(versions[v], bk.unpack(manifest, bufs), strict=True):
+            assert torch.equal(got, sent), (v, name)
+
+
 def test_a_member_that_never_answers_does_not_stall_the_others(service):
     """'ghost' joins the round and then goes silent (never says ready, never builds the group):
     the round still reaches 'g0' within its timeout, and reports the ghost as failed."""

@@ -139,7 +139,9 @@ def test_vllm_round_matches_transformers_greedy(vllm_generator, tiny_model_dir, 
     ev = gen.wait(lambda e: e["kind"] == "round" and e["version"] == 5, 60)
     assert ev["outputs"] == want, "vLLM after the round differs from transformers with the sent weights"
     assert ev["stats"]["load_s"] > 0 and ev["mode"] == "finish"
-    # no reload_weights: the CPU build's repacked layers get their new weights and are repacked again
+    # no reload_weights: this engine runs vLLM's default kernels, which on CPU compute from repacked
+    # weights, so the round repacks them (a generator's float32 engine keeps plain weights,
+    # generator.cpu_linear auto, and its round is a copy: the e2e run's evaluations check that)
     assert ev["stats"]["load_path"] == ("direct" if torch.cuda.is_available() else "repack")
     assert ev["stats"]["via"] == "shm"  # one host: the sender's shared-memory segment, not the broadcast
     st = status(port)
@@ -335,19 +337,53 @@ plan = load_plan(by_copy, named, staging={})
 assert plan is not None and plan.rebind == []  # nothing repacked yet: copies only
 apply_plan(plan, named)
 a, b = dict(by_load.named_parameters()), dict(by_copy.named_parameters())
-print(json.dumps({"fused": sorted(k for k in a if "qkv_proj" in k or "gate_up_proj" in k),
-                  "names_equal": sorted(a) == sorted(b),
-                  "differ": [k for k in a if not torch.equal(a[k], b[k])]}))
+out = {"fused": sorted(k for k in a if "qkv_proj" in k or "gate_up_proj" in k),
+       "names_equal": sorted(a) == sorted(b), "differ": [k for k in a if not torch.equal(a[k], b[k])]}
+
+# both processed as after a checkpoint load: on the CPU build the linear layers now compute from
+# oneDNN's repacked copies and drop their weights; a round of other weights (x0.5), then the
+# original ones again, must reach those kernels
+for m in (*by_load.modules(), *by_copy.modules()):
+    if getattr(m, "quant_method", None) is not None:
+        m.quant_method.process_weights_after_loading(m)
+staging = {}
+layers = {n: m for n, m in by_copy.named_modules() if hasattr(m, "cpu_linear") and hasattr(m, "input_size_per_partition")}
+ref = dict(by_load.named_modules())
+x = {n: torch.randn(3, m.input_size_per_partition) for n, m in layers.items()}
+def outputs(model_layers):
+    return {n: model_layers[n].cpu_linear(x[n], model_layers[n].weight, None) for n in layers}
+want = {n: ref[n].cpu_linear(x[n], ref[n].weight, None) for n in layers}
+half = [(n, t * 0.5) for n, t in named]
+plan = load_plan(by_copy, half, staging)
+apply_plan(plan, half)
+got_half = outputs(layers)
+ptrs = sorted(t.data_ptr() for t in staging.values())
+plan = load_plan(by_copy, named, staging)
+apply_plan(plan, named)
+got = outputs(layers)
+out.update(repacked=len(plan.rebind), layers=len(layers), dropped=sum(m.weight.numel() == 0 for m in layers.values()),
+           staging_kept=ptrs == sorted(t.data_ptr() for t in staging.values()),
+           half_ok=all(torch.allclose(got_half[n], 0.5 * want[n], atol=1e-5) for n in layers),
+           back_ok=all(torch.allclose(got[n], want[n], atol=1e-6) for n in layers))
+print(json.dumps(out))
 """
 
 
 def test_direct_copy_load_equals_load_weights(tiny_model_dir):
     """vLLM's Llama (its own class, one rank): copying the received tensors into the parameters
     through `load_plan` (fused qkv / gate_up rows, the padded vocabulary) gives exactly the
-    parameters its `load_weights` gives. (Run in a child: vLLM's parallel state is process-wide.)"""
-    out = subprocess.run([sys.executable, "-c", _DIRECT_COPY_CHECK, str(tiny_model_dir)], env=subprocess_env(),
+    parameters its `load_weights` gives; and once the CPU build has repacked the linear layers for
+    oneDNN (generator.cpu_linear packed), a round repacks each from its new weight. (Run in a child: vLLM's parallel state is process-wide.)"""
+    out = subprocess.run([sys.executable, "-c", _DIRECT_COPY_CHECK, str(tiny_model_dir)],
+                         env={**subprocess_env(), "CONVEYOR_CPU_LINEAR": "packed"},
                          capture_output=True, text=True, timeout=300, cwd=str(ROOT))
     assert out.returncode == 0, out.stderr[-3000:]
     got = json.loads(out.stdout.strip().splitlines()[-1])
     assert got["names_equal"] and got["differ"] == []
     assert len(got["fused"]) == 4  # 2 layers x (qkv_proj, gate_up_proj): the fused rows were placed
+    if torch.cuda.is_available():
+        return  # (the packed kernels below are the CPU build's)
+    # the packed CPU kernels: every linear layer repacked from its new weight (staging kept between rounds)
+    # 2 x (qkv, o, gate_up, down) dropped their weights; the embedding and the LM head keep theirs
+    assert (got["layers"], got["repacked"], got["dropped"]) == (10, 8, 8), got
+    assert got["half_ok"] and got["back_ok"] and got["staging_kept"], got

@@ -126,6 +126,7 @@ class WeightSender:
         self._segment = Segment(cfg.shm_dir, sender_id, then=slot_device(backend)) \
             if cfg.same_host != "broadcast" and backend != "disk" else None
         self._shm_warned = False
+        self._in_slot = False  # the buckets of `_flat` are views of a same-host slot (not gathered into again)
         self._flat: tuple[bk.Manifest, list] | None = None  # the latest version's layout and buckets
         self._latest: tuple[int, bk.Manifest, list] | None = None  # (version, manifest, buckets) for catch-ups
         self._last_pending_call: float | None = None
@@ -167,8 +168,19 @@ class WeightSender:
         try:
             self._latest = None
             t_gather = time.monotonic()
-            # the learner's gather happens as this iterates; each tensor is copied into its bucket
-            manifest, buckets = self._flat = bk.gather(named_tensors, self.bucket_bytes, self._flat)
+            # the learner's gather happens as this iterates; each tensor is copied into its bucket,
+            # which is the same-host slot's once a round has had members on this host
+            prev, slot = self._flat, None
+            if prev is not None and self._segment is not None:
+                slot = self._segment.begin(version, prev[0])
+                prev = (prev[0], slot) if slot is not None else prev if not self._in_slot else None
+            buckets = None
+            try:
+                manifest, buckets = self._flat = bk.gather(named_tensors, self.bucket_bytes, prev)
+            finally:
+                if slot is not None:
+                    self._segment.end(ok=buckets is slot)
+            self._in_slot = slot is not None and buckets is slot
             stats.update(bytes=manifest.total_bytes, buckets=len(manifest.buckets), tensors=len(manifest.tensors),
                          gather_s=time.monotonic() - t_gather)
             self._latest = (version, manifest, buckets) if self.keep_latest and self.backend != "disk" else None

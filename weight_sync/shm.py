@@ -102,6 +102,8 @@ class Segment:
         self._mem = None
         self._fd: int | None = None
         self.written: int | None = None  # the last version written
+        self.direct = False  # the sender's gather writes into the slot itself (`begin`/`end`)
+        self._open: tuple[int, int] | None = None  # (slot, version) being gathered into
 
     def ensure(self, manifest: bk.Manifest) -> None:
         """A segment whose slots hold `manifest` (a new file, new nonce, when the size changes)."""
@@ -130,7 +132,7 @@ class Segment:
             # readers open it through this process's descriptor
             os.unlink(name)
         self.path = f"/proc/{os.getpid()}/fd/{self._fd}"
-        self.slot_bytes = need
+        self.slot_bytes, self.direct = need, False
         words = self._mem[:HEADER].view(torch.int64)
         words[0], words[1], words[2] = MAGIC, self.nonce, 0
         for s in (0, 1):
@@ -161,10 +163,45 @@ class Segment:
         return time.monotonic() - t0
 
     def served(self) -> None:
-        """A round had same-host members: from the next one, the slot is on `then` (if set)."""
+        """A round had same-host members: from the next one, the slot is on `then` (if set), or the
+        sender gathers each version straight into a host slot (`begin`), its pages reserved now
+        (a tmpfs that fills up later would otherwise kill the sender with SIGBUS mid-copy)."""
         if self.then is not None and self.device is None:
             self.close()
             self.device, self.slots = self.then, 1
+        elif self.device is None and not self.direct and self._fd is not None:
+            try:
+                os.posix_fallocate(self._fd, 0, HEADER + self.slots * self.slot_bytes)
+                self.direct = True
+            except OSError:
+                pass  # no room: the slot keeps being written per round, as long as that fits
+
+    def begin(self, version: int, manifest: bk.Manifest) -> list | None:
+        """Slot `version % slots` as `manifest`'s buckets, marked being written, for the sender's
+        gather to fill (then `end`); None unless the segment is `direct` and sized for `manifest`."""
+        import torch
+
+        if not self.direct or self._mem is None or bases(manifest)[-1] != self.slot_bytes:
+            return None
+        s = version % self.slots
+        words = self._mem[:HEADER].view(torch.int64)
+        words[_SEQ + 2 * s] += 1  # odd: being written
+        self._open = (s, version)
+        base = HEADER + s * self.slot_bytes
+        return [self._mem[base + b:base + b + n] for b, n in zip(bases(manifest), manifest.buckets)]
+
+    def end(self, ok: bool) -> None:
+        """The gather into the slot `begin` gave is over: the version is complete (`ok`), or the
+        slot holds no version (the learner's tensors did not fit the layout, or it failed)."""
+        import torch
+
+        s, version = self._open
+        self._open = None
+        words = self._mem[:HEADER].view(torch.int64)
+        words[_VERSION + 2 * s] = version if ok else -1
+        words[_SEQ + 2 * s] += 1  # even: complete
+        if ok:
+            self.written = version
 
     def close(self) -> None:
         self._mem = self._dev = None
