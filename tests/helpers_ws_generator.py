@@ -106,8 +106,10 @@ async def run_vllm(a, ws, ev: Events) -> None:
     from vllm.engine.arg_utils import AsyncEngineArgs
     from vllm.v1.engine.async_llm import AsyncLLM
 
-    from actors.vllm_worker import apply_round_async
+    from actors.vllm_worker import CPU_LINEAR_ENV, apply_round_async
 
+    # vLLM's own kernels (on CPU: repacked for oneDNN), whatever an engine of the parent process chose
+    os.environ[CPU_LINEAR_ENV] = "packed"
     tok = AutoTokenizer.from_pretrained(a.model)
     prompt_ids = [tok(p, add_special_tokens=False)["input_ids"] for p in PROMPTS]
     engine = AsyncLLM.from_engine_args(AsyncEngineArgs(
