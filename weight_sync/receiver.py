@@ -84,7 +84,7 @@ def receive_buckets(info: RoundInfo, local_rank: int = 0, device: Any = "cpu",
             continue
         if roster.abort or rank not in roster.ranks:
             raise RoundMissed(f"rank {rank}: left out of round {info.round_id} (attempt {attempt})")
-        pg = None
+        pg = works = work = None
         try:
             rs.set_ready(attempt, rank)
             if not rs.wait_go(attempt, deadline):  # someone never answered: the next attempt goes on without it
@@ -101,8 +101,11 @@ def receive_buckets(info: RoundInfo, local_rank: int = 0, device: Any = "cpu",
             recv_s = time.monotonic() - t_bcast
             rs.report(attempt, rank, ok=True)
         except Exception as e:
-            # a member (maybe the sender) died: say so, drop the group, wait for the next attempt
-            del pg
+            # a member (maybe the sender) died: say so, drop the group, wait for the next attempt.
+            # The group goes now, with the collectives still queued on it (they hold it): members
+            # that receive through this one are then told at once, not when the next attempt
+            # rebinds these names (after the sender's grace period, too late to be served again)
+            works = work = pg = None
             try:
                 rs.report(attempt, rank, ok=False)
             except Exception:

@@ -426,7 +426,7 @@ class WeightSender:
         import torch
 
         t0 = time.monotonic()
-        pg = None
+        pg = work = inflight = None
         try:
             pg = rs.group(self.backend, attempt, 0, 1 + len(todo), deadline)
             t1 = time.monotonic()
@@ -449,7 +449,8 @@ class WeightSender:
                 torch.cuda.synchronize()
             return "", t1 - t0, time.monotonic() - t1, pg
         except Exception as e:
-            del pg
+            # the group goes now, with the collectives still queued on it (they hold it)
+            work = inflight = pg = None
             return f"{type(e).__name__}: {e}", time.monotonic() - t0, 0.0, None
 
     def _collect(self, rs: RoundStore, attempt: int, todo: list[int], deadline: float,
