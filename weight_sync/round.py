@@ -44,6 +44,7 @@ unusable, and the control keys must still get through.
 
 from __future__ import annotations
 
+import atexit
 import os
 import queue
 import socket
@@ -271,6 +272,19 @@ def _tear_down() -> None:
         at, pg = _retired.get()
         time.sleep(max(0.0, at - time.monotonic()))
         del pg, at
+
+
+@atexit.register
+def _tear_down_now() -> None:
+    """At exit, the groups still waiting for the teardown thread go while the interpreter is whole
+    (one destroyed during finalisation aborts the process: `terminate called without an active
+    exception`)."""
+    while True:
+        try:
+            _, pg = _retired.get_nowait()
+        except queue.Empty:
+            return
+        del pg
 
 
 def wait_key(store, key: str, deadline: float) -> bool:
