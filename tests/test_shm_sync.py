@@ -151,16 +151,22 @@ def _member(port: int, wid: str, out: dict, rounds: int = 1) -> None:
     ws.close()
 
 
+def _start_member(svc, port: int, wid: str, rounds: int) -> tuple[threading.Thread, dict]:
+    """`_member` in a thread, once the service knows it; (thread, its results by worker id)."""
+    out: dict = {}
+    t = threading.Thread(target=_member, args=(port, wid, out, rounds))
+    t.start()
+    while wid not in svc.state.generators:
+        time.sleep(0.01)
+    return t, out
+
+
 def test_shared_memory_round_is_bit_identical_to_the_broadcast_round(service):
     """Same version, two rounds: the first through the broadcast (same_host='broadcast'), the
     second through the segment ('auto' on one host): the members' buckets are byte for byte equal."""
     svc, port = service
     named = _named()
-    out: dict = {}
-    t = threading.Thread(target=_member, args=(port, "g0", out, 2))
-    t.start()
-    while "g0" not in svc.state.generators:
-        time.sleep(0.01)
+    t, out = _start_member(svc, port, "g0", 2)
     with WeightSender("127.0.0.1", port, timeout_s=20, join_timeout_s=10, same_host="broadcast",
                       serve_in_background=False) as s1:
         st1 = s1.publish(1, named)
@@ -185,12 +191,8 @@ def test_after_a_same_host_round_the_gather_writes_into_the_slot(service):
     gather that fails half-way leaves a slot no member takes for a version."""
     svc, port = service
     named = _named()
-    out: dict = {}
-    t = threading.Thread(target=_member, args=(port, "g0", out, 3))
-    t.start()
-    while "g0" not in svc.state.generators:
-        time.sleep(0.01)
-    versions = {v: [(n, x + v if x.is_floating_point() else x + v) for n, x in named] for v in (1, 2, 3)}
+    t, out = _start_member(svc, port, "g0", 3)
+    versions = {v: [(n, x + v) for n, x in named] for v in (1, 2, 3)}
     with WeightSender("127.0.0.1", port, timeout_s=20, join_timeout_s=10, same_host="auto",
                       serve_in_background=False) as s:
         stats = [s.publish(1, versions[1])]
@@ -223,11 +225,7 @@ def test_a_member_that_never_answers_does_not_stall_the_others(service):
     named = _named()
     ghost = GeneratorSyncClient("127.0.0.1", port, "ghost")
     ghost.register("transformers")
-    out: dict = {}
-    t = threading.Thread(target=_member, args=(port, "g0", out))
-    t.start()
-    while "g0" not in svc.state.generators:
-        time.sleep(0.01)
+    t, out = _start_member(svc, port, "g0", 1)
 
     def silent():
         info = None

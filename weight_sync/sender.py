@@ -49,6 +49,7 @@ import msgspec
 from common.channel import Channel
 from common.wire import expect
 from weight_sync import buckets as bk
+from common.guards import WarnLimiter
 from weight_sync.client import ask, channel
 from weight_sync.config import WeightSyncConfig
 from weight_sync.messages import Adapter, Go, Idle, PendingRequest, Ready, RoundResult, RoundStats, SameHost
@@ -125,7 +126,7 @@ class WeightSender:
         # the shared-memory segment for generators on this host (weight_sync/shm.py)
         self._segment = Segment(cfg.shm_dir, sender_id, then=slot_device(backend)) \
             if cfg.same_host != "broadcast" and backend != "disk" else None
-        self._shm_warned = False
+        self._warnings = WarnLimiter(log, every_s=300.0)
         self._in_slot = False  # the buckets of `_flat` are views of a same-host slot (not gathered into again)
         self._flat: tuple[bk.Manifest, list] | None = None  # the latest version's layout and buckets
         self._latest: tuple[int, bk.Manifest, list] | None = None  # (version, manifest, buckets) for catch-ups
@@ -300,10 +301,8 @@ class WeightSender:
         try:
             self._segment.ensure(manifest)
         except (OSError, RuntimeError) as e:  # no room in /dev/shm or on the device: everyone takes the broadcast
-            if not self._shm_warned:
-                log.warning("no same-host segment in %s (%s): same-host generators take the broadcast",
-                            self.cfg.shm_dir, e)
-                self._shm_warned = True
+            self._warnings.warn("segment", "no same-host segment in %s (%s): same-host generators take the broadcast",
+                                self.cfg.shm_dir, e)
             return None
         return SameHost(self._segment.path, self._segment.nonce, host_id(), self.cfg.same_host == "shm",
                         self._segment.ipc)

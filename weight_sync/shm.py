@@ -147,20 +147,36 @@ class Segment:
 
         t0 = time.monotonic()
         self.ensure(manifest)
-        s = version % self.slots
-        words = self._mem[:HEADER].view(torch.int64)
-        slot = self._dev if self._dev is not None else \
-            self._mem[HEADER + s * self.slot_bytes:HEADER + (s + 1) * self.slot_bytes]
+        s = self._start(version)
+        slot = self._dev if self._dev is not None else self._slot(s)
         base = bases(manifest)
-        words[_SEQ + 2 * s] += 1  # odd: being written
         for b in bk.sent(manifest):
             slot[base[b]:base[b] + manifest.buckets[b]].copy_(buckets[b], non_blocking=True)
         if self._dev is not None:
             torch.cuda.synchronize(self._dev.device)  # the bytes are on the device before the version says so
-        words[_VERSION + 2 * s] = version
-        words[_SEQ + 2 * s] += 1  # even: complete
-        self.written = version
+        self._finish(s, version)
         return time.monotonic() - t0
+
+    def _slot(self, s: int):
+        return self._mem[HEADER + s * self.slot_bytes:HEADER + (s + 1) * self.slot_bytes]
+
+    def _start(self, version: int) -> int:
+        """Slot `version % slots` marked being written (odd seq); returns its index."""
+        import torch
+
+        s = version % self.slots
+        self._mem[:HEADER].view(torch.int64)[_SEQ + 2 * s] += 1
+        return s
+
+    def _finish(self, s: int, version: int) -> None:
+        """Slot `s` complete (even seq), holding `version` (-1: none)."""
+        import torch
+
+        words = self._mem[:HEADER].view(torch.int64)
+        words[_VERSION + 2 * s] = version
+        words[_SEQ + 2 * s] += 1
+        if version >= 0:
+            self.written = version
 
     def served(self) -> None:
         """A round had same-host members: from the next one, the slot is on `then` (if set), or the
@@ -179,29 +195,19 @@ class Segment:
     def begin(self, version: int, manifest: bk.Manifest) -> list | None:
         """Slot `version % slots` as `manifest`'s buckets, marked being written, for the sender's
         gather to fill (then `end`); None unless the segment is `direct` and sized for `manifest`."""
-        import torch
-
         if not self.direct or self._mem is None or bases(manifest)[-1] != self.slot_bytes:
             return None
-        s = version % self.slots
-        words = self._mem[:HEADER].view(torch.int64)
-        words[_SEQ + 2 * s] += 1  # odd: being written
+        s = self._start(version)
         self._open = (s, version)
-        base = HEADER + s * self.slot_bytes
-        return [self._mem[base + b:base + b + n] for b, n in zip(bases(manifest), manifest.buckets)]
+        slot = self._slot(s)
+        return [slot[b:b + n] for b, n in zip(bases(manifest), manifest.buckets)]
 
     def end(self, ok: bool) -> None:
         """The gather into the slot `begin` gave is over: the version is complete (`ok`), or the
         slot holds no version (the learner's tensors did not fit the layout, or it failed)."""
-        import torch
-
         s, version = self._open
         self._open = None
-        words = self._mem[:HEADER].view(torch.int64)
-        words[_VERSION + 2 * s] = version if ok else -1
-        words[_SEQ + 2 * s] += 1  # even: complete
-        if ok:
-            self.written = version
+        self._finish(s, version if ok else -1)
 
     def close(self) -> None:
         self._mem = self._dev = None
