@@ -68,12 +68,12 @@ def generator_pids(launcher_pid: int, worker_id: str) -> list[int]:
 
 @pytest.fixture(scope="module")
 def async_run(warm_setup):
-    """40 async GRPO steps with two generators, evaluated greedily on the held-out prompts every 20
+    """60 async GRPO steps with two generators, evaluated greedily on the held-out prompts every 30
     steps; generator gen-1 is SIGKILLed (with its engine) at step 10."""
     run_dir = warm_setup["dir"] / "async_run"
-    proc = launch_local(run_dir, warm_setup, "--learner.total_steps", "40", "--learner.save_every", "20",
+    proc = launch_local(run_dir, warm_setup, "--learner.total_steps", "60", "--learner.save_every", "30",
                         "--run.num_generators", "2", "--eval.dataset", str(warm_setup["heldout_path"]),
-                        "--eval.every", "20", "--eval.n_samples_per_prompt", "1", "--eval.temperature", "0")
+                        "--eval.every", "30", "--eval.n_samples_per_prompt", "1", "--eval.temperature", "0")
     killed = None
     deadline = time.monotonic() + 900
     try:
@@ -98,7 +98,7 @@ def async_run(warm_setup):
 def test_async_run_completes_although_a_generator_died(async_run):
     assert async_run["killed"] is not None
     assert async_run["code"] == 0, async_run["out"][-3000:]
-    assert len(async_run["rows"]) == 40
+    assert len(async_run["rows"]) == 60
     # the surviving generator served to the end (ready, never restarted, stopped with the run); the
     # killed one was started again
     roles = {r["name"]: r for r in json.loads((async_run["dir"] / "status.json").read_text())["roles"]}
@@ -118,8 +118,14 @@ def test_async_run_completes_although_a_generator_died(async_run):
 def test_async_run_reward_rises_within_the_staleness_bound(async_run, warm_setup):
     rows = async_run["rows"]
     rewards = [r["reward/mean"] for r in rows]
-    first, last = sum(rewards[:8]) / 8, sum(rewards[-8:]) / 8
-    assert last > first, f"reward did not rise: first 8 steps {first:.3f}, last 8 steps {last:.3f}"
+    # a step's mean reward (128 samples at temperature 1) moves by ~0.05 from step to step and rises
+    # ~0.001-0.002 a step: the means of the first and last 8 of 40 steps crossed in one run of nine,
+    # of the first and last 10 of 60 in one of three. The trend of all 60 (the least-squares slope)
+    # is what rises; held-out greedy accuracy, below, is the sharp measure
+    n = len(rewards)
+    x_mean, y_mean = (n - 1) / 2, sum(rewards) / n
+    slope = sum((i - x_mean) * (y - y_mean) for i, y in enumerate(rewards)) / sum((i - x_mean) ** 2 for i in range(n))
+    assert slope > 0, f"reward did not rise: {slope:.5f} a step over {n} steps, from {y_mean:.3f} on average"
     max_staleness = 1  # examples/demo.yaml
     seen = max(r["buffer/staleness_max"] for r in rows)
     assert seen <= max_staleness, f"a trained sample was {seen} versions old (bound {max_staleness})"
@@ -127,22 +133,22 @@ def test_async_run_reward_rises_within_the_staleness_bound(async_run, warm_setup
 
     from demo.arithmetic import greedy_accuracy
 
-    final = async_run["dir"] / "checkpoints" / "step_40"
+    final = async_run["dir"] / "checkpoints" / "step_60"
     acc = greedy_accuracy(str(final), warm_setup["heldout"])
     assert acc >= warm_setup["acc0"] + 0.1, f"held-out accuracy {warm_setup['acc0']:.3f} -> {acc:.3f}"
 
 
 @pytest.mark.slow
 def test_evaluation_during_training_matches_an_offline_evaluation_of_the_checkpoints(async_run, warm_setup):
-    """eval/pass@1 at steps 0, 20 and 40 (served by the run's generators at that version, greedy)
-    against transformers' greedy answers of the warm start and of checkpoints step_20 and step_40."""
+    """eval/pass@1 at steps 0, 30 and 60 (served by the run's generators at that version, greedy)
+    against transformers' greedy answers of the warm start and of checkpoints step_30 and step_60."""
     from demo.arithmetic import answer_of, greedy_answers
 
     evals = async_run["eval"]
-    assert sorted(evals) == [0, 20, 40], sorted(evals)
+    assert sorted(evals) == [0, 30, 60], sorted(evals)
     heldout = warm_setup["heldout"]
-    for step, model in ((0, warm_setup["warm"]), (20, async_run["dir"] / "checkpoints" / "step_20"),
-                        (40, async_run["dir"] / "checkpoints" / "step_40")):
+    for step, model in ((0, warm_setup["warm"]), (30, async_run["dir"] / "checkpoints" / "step_30"),
+                        (60, async_run["dir"] / "checkpoints" / "step_60")):
         offline = greedy_answers(str(model), heldout)
         rows = [json.loads(x) for x in (async_run["dir"] / "eval" / f"version_{step}.jsonl").read_text().splitlines()]
         online = {r["index"]: answer_of(r["completion"]) for r in rows}
@@ -153,7 +159,7 @@ def test_evaluation_during_training_matches_an_offline_evaluation_of_the_checkpo
         acc = sum(a == p["label"] for a, p in zip(offline, heldout)) / len(heldout)
         assert abs(evals[step]["eval/pass@1"] - acc) <= 2 / len(heldout), (step, evals[step]["eval/pass@1"], acc)
         assert evals[step]["eval/prompts"] == len(heldout) and evals[step]["eval/k"] == 1
-    assert evals[40]["eval/pass@1"] > evals[0]["eval/pass@1"]
+    assert evals[60]["eval/pass@1"] > evals[0]["eval/pass@1"]
 
 
 @pytest.mark.slow
@@ -161,7 +167,7 @@ def test_final_checkpoint_loads_in_transformers_and_vllm(async_run, warm_setup, 
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    ckpt = async_run["dir"] / "checkpoints" / "step_40"
+    ckpt = async_run["dir"] / "checkpoints" / "step_60"
     tok = AutoTokenizer.from_pretrained(ckpt)
     model = AutoModelForCausalLM.from_pretrained(ckpt)
     # the checkpoint holds the trained weights, not the warm start it began from

@@ -250,6 +250,58 @@ def test_a_member_that_never_answers_does_not_stall_the_others(service):
     ghost.close()
 
 
+_JOIN_AND_DIE = """
+import os, signal, sys, time
+sys.path.insert(0, sys.argv[2])
+from weight_sync.client import GeneratorSyncClient
+from weight_sync.round import RoundStore
+ws = GeneratorSyncClient("127.0.0.1", int(sys.argv[1]), "doomed")
+ws.register("transformers")
+info = None
+while info is None:
+    info = ws.poll()
+    time.sleep(0.01)
+RoundStore(info.host, info.port, info.round_id, 5, info.secret).join(info.rank, shm=True)
+time.sleep(0.3)
+os.kill(os.getpid(), signal.SIGKILL)  # joined the same-host read, then gone before its report
+"""
+
+
+def test_a_same_host_member_killed_mid_round_fails_at_once_not_at_the_deadline(service):
+    """A same-host member has no group whose failure would tell the sender it died: it names its
+    process when it joins, and the sender counts it failed once that process is gone (here left a
+    zombie, unreaped), not at the round's deadline. The other member is served, and the round's
+    `same_host` counts only members the slot served."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    svc, port = service
+    named = _named()
+    doomed = subprocess.Popen([sys.executable, "-c", _JOIN_AND_DIE, str(port), str(Path(__file__).parents[1])])
+    try:
+        deadline = time.monotonic() + 60
+        while "doomed" not in svc.state.generators and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert "doomed" in svc.state.generators, "the doomed member never registered"
+        t, out = _start_member(svc, port, "g0", 1)
+        timeout_s = 30.0
+        with WeightSender("127.0.0.1", port, timeout_s=timeout_s, join_timeout_s=10, same_host="auto",
+                          serve_in_background=False) as sender:
+            t0 = time.monotonic()
+            stats = sender.publish(1, named)
+            took = time.monotonic() - t0
+        t.join(20)
+        assert doomed.poll() is not None or doomed.wait(5) is not None
+    finally:
+        doomed.kill()
+        doomed.wait()
+    assert stats["ok"] == ["g0"] and stats["failed"] == ["doomed"], stats
+    assert stats["same_host"] == 1, stats
+    assert took < 10, f"the round waited {took:.1f}s for a member that was gone (timeout {timeout_s}s)"
+    assert out["g0"][0][:2] == (1, "shm")
+
+
 def test_groups_of_k_serve_every_member_and_a_silent_one_costs_only_its_group(service):
     """group_size 2, three members and a ghost (joins, then silent): two groups one after the other,
     the ghost's group built again without it; every live member gets the version bit for bit."""

@@ -53,7 +53,7 @@ from common.guards import WarnLimiter
 from weight_sync.client import ask, channel
 from weight_sync.config import WeightSyncConfig
 from weight_sync.messages import Adapter, Go, Idle, PendingRequest, Ready, RoundResult, RoundStats, SameHost
-from weight_sync.round import RoundStore, dispose, pause, store_server
+from weight_sync.round import RoundStore, dispose, pause, process_alive, store_server
 from weight_sync.shm import Segment, host_id, slot_device
 
 log = logging.getLogger("conveyor.weight_sync.sender")
@@ -402,10 +402,14 @@ class WeightSender:
         rs.set_roster(attempt, [], abort=True)  # releases anyone still waiting
         out["broadcast_s"] = time.monotonic() - t_bcast
         out["attempts"] = attempt
-        if shm_ranks:  # their reads ran alongside the broadcast; silence by the deadline means failed
-            reports = self._collect(rs, "shm", shm_ranks, deadline, None)
+        if shm_ranks:  # their reads ran alongside the broadcast; a process gone, or silence by the
+            # deadline, means failed
+            pids = {r: rs.process_of(r) for r in shm_ranks}
+            reports = self._collect(rs, "shm", shm_ranks, deadline, None,
+                                    gone=lambda r: pids[r] is not None and not process_alive(pids[r]))
             ok_ranks |= {r for r, ok in reports.items() if ok}
             dead_ranks |= {r for r in shm_ranks if not reports.get(r)}
+            out["same_host"] = sum(1 for r in shm_ranks if reports.get(r))
             self._segment.served()
         failed = {owner[r] for r in dead_ranks} | {owner[r] for r in owner
                                                    if owner[r] not in absent_workers and r not in ok_ranks}
@@ -452,9 +456,11 @@ class WeightSender:
             work = inflight = pg = None
             return f"{type(e).__name__}: {e}", time.monotonic() - t0, 0.0, None
 
-    def _collect(self, rs: RoundStore, attempt: int, todo: list[int], deadline: float,
-                 grace_s: float | None) -> dict[int, bool]:
-        """Members' ok/err reports; stop at the deadline, or `grace_s` after the first sign of trouble."""
+    def _collect(self, rs: RoundStore, attempt, todo: list[int], deadline: float,
+                 grace_s: float | None, gone=None) -> dict[int, bool]:
+        """Members' ok/err reports; stop at the deadline, or `grace_s` after the first sign of trouble.
+        `gone(rank)`: whether that member's process has exited (then it counts as `err`; its report,
+        were one written just before, is read first)."""
         reports: dict[int, bool] = {}
         since = time.monotonic()
         stop = deadline if grace_s is None else min(deadline, since + grace_s)
@@ -463,10 +469,13 @@ class WeightSender:
                 if r in reports:
                     continue
                 ok = rs.report_of(attempt, r)
+                if ok is None and gone is not None and gone(r):
+                    ok = rs.report_of(attempt, r) or False
                 if ok is None:
                     continue
                 reports[r] = ok
-                if not ok and grace_s is None:  # trouble: others get a grace period
+                if not ok and grace_s is None and attempt != "shm":  # a broadcast in trouble: the
+                    # others get a grace period (same-host reads are independent of each other)
                     grace_s = GRACE_S
                     stop = min(deadline, time.monotonic() + grace_s)
             if len(reports) == len(todo) or time.monotonic() >= stop:
