@@ -7,6 +7,8 @@ The service runs in a thread of the test process; the sender (learner rank 0's s
 from __future__ import annotations
 
 import json
+import os
+import signal
 import subprocess
 import sys
 import time
@@ -45,7 +47,7 @@ class Generator:
         self.proc = subprocess.Popen(
             [sys.executable, HELPER, "--port", str(port), "--worker-id", worker_id, "--engine", engine,
              "--model", str(model), "--events", str(self.events_path), *flags],
-            env=subprocess_env(), stdout=open(self.log_path, "w"), stderr=subprocess.STDOUT)
+            env=subprocess_env(), stdout=open(self.log_path, "w"), stderr=subprocess.STDOUT, start_new_session=True)
 
     def events(self) -> list[dict]:
         if not self.events_path.exists():
@@ -66,8 +68,12 @@ class Generator:
                              f"(rc={self.proc.poll()}); events={self.events()}\nlog tail:\n{tail}")
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
+        """SIGKILL the helper's process group: a vLLM engine core outlives its parent (it was left
+        polling, a core's worth of CPU, after each run of this module)."""
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
         self.proc.wait(10)
 
 
