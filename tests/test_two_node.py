@@ -35,8 +35,11 @@ from test_ray_launcher import metrics, run_status, stop_driver, wait_for
 
 PY = sys.executable
 # node B is lost after KILL_AT learner steps; after the replacement joins, the run is scaled to 2
-# generators, and the steps left give the second vLLM engine time to start beside the first
-STEPS = 60
+# generators, and the steps left give the second vLLM engine time to start beside the first. Both
+# engines start on B at once; the first ready drives the run at ~0.2 s a step, and the second was
+# ready 11 s later (36 s after its start) in one run: 50 steps left were over 0.35 s before it
+# was. With 230 left, it has ~45 s.
+STEPS = 240
 KILL_AT = 8
 # logical CPUs per node: 2 (scheduling tokens; the machine has 2 cores)
 SMALL = ["--ray.buffer.num_cpus", "0.25", "--ray.weight_sync.num_cpus", "0.25", "--ray.learner.num_cpus", "1",
