@@ -98,6 +98,16 @@ def rss_bytes() -> int:
         return 0
 
 
+def proc_stat(pid: int) -> list[str] | None:
+    """The fields of /proc/PID/stat after the command name (the state first), or None where there
+    is no such process (or no /proc)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rpartition(")")[2].split()
+    except OSError:
+        return None
+
+
 def release_free_memory() -> None:
     """Give freed heap back to the OS: glibc keeps it (many small frames freed leave RSS as it was)."""
     try:

@@ -18,6 +18,7 @@ import sys
 import time
 from pathlib import Path
 
+from common.guards import proc_stat
 from common.ready import ENV as READY_ENV
 from common.ready import read_ready
 
@@ -26,11 +27,8 @@ PYTHON = "{python}"  # in a role's argv: the interpreter of the process that sta
 
 def process_start_time(pid: int) -> str:
     """Field 22 of /proc/PID/stat (start time in clock ticks): tells a process from a reused pid."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return ""
-    return stat.rsplit(")", 1)[1].split()[19]
+    fields = proc_stat(pid)
+    return fields[19] if fields else ""
 
 
 def kill_group(pid: int, start_time: str, sig: int = signal.SIGKILL) -> bool:

@@ -6,9 +6,9 @@ the sender's random prefix, which only the service and the round's members learn
 `RoundInfo`, over CurveZMQ when it is on): a stranger who reaches the store has no key to join a
 roster or a group by, since a TCPStore cannot list its keys.
 
-    member rank r       join/<r> = 1 | shm <ns> <pid>     "I am here" (the sender waits join_timeout_s);
+    member rank r       join/<r> = 1 | shm <pid>          "I am here" (the sender waits join_timeout_s);
                                                           shm: "I read the sender's segment instead",
-                                                          from process <pid> of pid namespace <ns>
+                                                          from process <pid>
     sender              shm/roster = Roster(ranks)        the segment holds the version; these reads count
     sender              a<k>/roster = Roster(ranks, abort, later)  attempt k's members, in group-rank
                                                           order; `later`: served by a later attempt
@@ -33,9 +33,10 @@ silent ones, which the others, waiting for `go`, take up at once.
 A member that dies mid-broadcast makes the others' broadcast fail (gloo reports "connection reset"
 within milliseconds, and each side tearing its group down spreads the error); those report `err`,
 the sender drops whoever did not report and starts attempt k+1 with the `err` reporters, all within
-the round's timeout. A same-host member has no group to fail: it names its process when it joins, and the sender, on
-the same host, counts it failed as soon as that process is gone (`RoundStore.process_of`) instead of at
-the round's deadline. A member left out of a roster (or handed an `abort` one) raises `RoundMissed`;
+the round's timeout. A same-host member has no group to fail: it names its process when it joins,
+and the sender counts it failed as soon as that process is gone (`RoundStore.process_of`) instead
+of at the round's deadline. (A member that can open the segment, `/proc/<sender pid>/fd/<fd>`,
+sees the sender's pids as the sender does: the sender can watch its pid in turn.) A member left out of a roster (or handed an `abort` one) raises `RoundMissed`;
 it catches up later. The sender's side is `weight_sync.sender.WeightSender._run_round`, the
 member's `weight_sync.receiver.receive_buckets`; both speak through `RoundStore` below.
 
@@ -57,6 +58,7 @@ from datetime import timedelta
 
 import msgspec
 
+from common.guards import proc_stat
 
 # How often a step of the round's handshake is polled (roster, ready, go, reports): every 1 ms for
 # the first 20 ms (each step answers another within milliseconds, and four in a row cost a round
@@ -65,22 +67,12 @@ import msgspec
 FAST_POLL_S, FAST_FOR_S, SLOW_POLL_S = 0.001, 0.02, 0.005
 
 
-def pid_namespace() -> str:
-    """This process's pid namespace ("" where /proc does not say): pids compare only within one."""
-    try:
-        return str(os.stat("/proc/self/ns/pid").st_ino)
-    except OSError:
-        return ""
-
-
 def process_alive(pid: int) -> bool:
-    """Whether process `pid` (of this pid namespace) still runs: not gone, not a zombie."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            state = f.read().rpartition(")")[2].split()[0]
-    except (OSError, IndexError):
-        return not os.path.isdir("/proc/self")  # no /proc here: cannot tell, so alive
-    return state not in ("Z", "X", "x")
+    """Whether process `pid` still runs: not gone, not a zombie (alive where /proc cannot tell)."""
+    fields = proc_stat(pid)
+    if not fields:
+        return not os.path.isdir("/proc/self")
+    return fields[0] not in ("Z", "X", "x")
 
 
 def pause(since: float) -> None:
@@ -123,7 +115,7 @@ class RoundStore:
     def join(self, rank: int, shm: bool = False) -> None:
         """Say "here"; `shm`: this rank reads the version from the sender's shared memory (and
         names its process, which the sender on the same host can watch)."""
-        self.store.set(f"join/{rank}", f"shm {pid_namespace()} {os.getpid()}".encode() if shm else b"1")
+        self.store.set(f"join/{rank}", f"shm {os.getpid()}".encode() if shm else b"1")
 
     def joined(self, rank: int) -> str | None:
         """How member `rank` joined: "shm", "broadcast", or None (not yet)."""
@@ -132,11 +124,10 @@ class RoundStore:
         return "shm" if self.store.get(f"join/{rank}").startswith(b"shm") else "broadcast"
 
     def process_of(self, rank: int) -> int | None:
-        """Same-host member `rank`'s process id, where this process can watch it (same pid
-        namespace); None otherwise."""
+        """Same-host member `rank`'s process id (None: it did not name one)."""
         try:
-            _, ns, pid = self.store.get(f"join/{rank}").decode().split()
-            return int(pid) if ns == pid_namespace() else None
+            _, pid = self.store.get(f"join/{rank}").decode().split()
+            return int(pid)
         except (ValueError, UnicodeDecodeError):
             return None
 

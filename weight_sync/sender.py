@@ -47,9 +47,9 @@ from typing import Iterable
 import msgspec
 
 from common.channel import Channel
+from common.guards import WarnLimiter
 from common.wire import expect
 from weight_sync import buckets as bk
-from common.guards import WarnLimiter
 from weight_sync.client import ask, channel
 from weight_sync.config import WeightSyncConfig
 from weight_sync.messages import Adapter, Go, Idle, PendingRequest, Ready, RoundResult, RoundStats, SameHost
@@ -323,7 +323,7 @@ class WeightSender:
     def _run_round(self, go: Go, manifest: bk.Manifest, buckets: list, deadline: float) -> dict:
         """Join, broadcast (with retries), collect; returns the round's part of the stats."""
         out = {"round_id": go.round_id, "members": [m.worker_id for m in go.members], "ok": [], "missed": [],
-               "failed": [], "join_s": 0.0, "broadcast_s": 0.0, "attempts": 0,
+               "failed": [], "same_host": 0, "join_s": 0.0, "broadcast_s": 0.0, "attempts": 0,
                "ready_s": 0.0, "setup_s": 0.0, "transfer_s": 0.0, "confirm_s": 0.0}
         if not go.members:
             return out
@@ -347,7 +347,7 @@ class WeightSender:
         present = sorted(r for r in owner if owner[r] not in absent_workers)
         shm_ranks = [r for r in present if via.get(r) == "shm"]
         todo = [r for r in present if via.get(r) != "shm"]
-        out["join_s"], out["same_host"] = time.monotonic() - t_join, len(shm_ranks)
+        out["join_s"] = time.monotonic() - t_join
 
         # 1b. members on this host: the version into the shared-memory segment, once
         if shm_ranks:
