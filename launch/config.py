@@ -14,6 +14,7 @@ Light on purpose: no torch, vllm or deepspeed here, so every `--help` answers at
 
 from __future__ import annotations
 
+import faulthandler
 import sys
 from typing import Any, Iterable, Mapping, Sequence
 
@@ -63,6 +64,13 @@ def role_main_config(cls: type[Section], section: str, argv: Sequence[str] | Non
     if wants_help(argv):
         print(render_help(doc, {section: cls}, own=section), end="")
         sys.exit(0)
+    # a native crash (libzmq's assertions, a segfault in an extension) prints every thread's Python
+    # stack to the role's log instead of leaving only an exit status
+    if not faulthandler.is_enabled():
+        try:
+            faulthandler.enable()
+        except (AttributeError, ValueError, OSError):  # a stderr with no file behind it (captured)
+            pass
     path, rest = split_argv(argv)
     own_flags = {f"--{f}" for f in flags}
     given = {f: f"--{f}" in rest for f in flags}

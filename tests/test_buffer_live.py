@@ -53,10 +53,13 @@ class BufferProc:
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
         try:
-            return self.proc.wait(timeout)
+            code = self.proc.wait(timeout)
         except subprocess.TimeoutExpired:
             self.proc.kill()
             raise
+        if code != 0:  # shown with the failing test: how it ended (a native crash's stacks included)
+            print(f"buffer exited {code}; the end of {self.log}:\n{self.log.read_text()[-6000:]}")
+        return code
 
 
 def write_prompts(path: Path, n: int) -> Path:
