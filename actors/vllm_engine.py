@@ -166,7 +166,7 @@ class VLLMEngine(_VLLMBackend):
         # Cached prefix blocks hold keys/values the old weights computed: a new prompt must not reuse
         # them. Nothing runs between batches, so the reset succeeds.
         self.llm.reset_prefix_cache()
-        self.version = info.version
+        self.version = stats.get("version", info.version)  # newer after a repaired in-place load
         return stats
 
     def close(self) -> None:
@@ -302,7 +302,7 @@ class AsyncVLLMEngine(_VLLMBackend):
     async def _receive(self, info: RoundInfo) -> dict:
         # the label is the policy version, set while the scheduler is paused (see the class docstring)
         stats = await apply_round_async(self.llm, info, label=str(info.version), lora_folder=self.lora_folder)
-        self.version = info.version
+        self.version = stats.get("version", info.version)  # newer after a repaired in-place load
         self._prefix_cache_stale = True
         return stats
 

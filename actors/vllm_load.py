@@ -105,6 +105,12 @@ def _weight_shape(layer) -> tuple | None:
 def apply_plan(plan: LoadPlan, named: list) -> None:
     """Copy each received tensor into its place, give repacked layers their new weights and
     process them again (no allocation but a first round's staging)."""
+    copy_plan(plan, named)
+    finish_plan(plan)
+
+
+def copy_plan(plan: LoadPlan, named: list) -> None:
+    """The copies of `apply_plan`: each received tensor into its place (or its staging)."""
     import torch
 
     with torch.no_grad():
@@ -112,6 +118,14 @@ def apply_plan(plan: LoadPlan, named: list) -> None:
             dst.copy_(t, non_blocking=True)
         if any(d.is_cuda for d in plan.dst):
             torch.cuda.synchronize()
+
+
+def finish_plan(plan: LoadPlan) -> None:
+    """The rest of `apply_plan`, once the copies are known good: repacked layers take their new
+    weights and are processed again."""
+    import torch
+
+    with torch.no_grad():
         for layer, weight in plan.rebind:
             layer.weight = torch.nn.Parameter(weight, requires_grad=False)
         for layer in plan.reprocess:

@@ -78,26 +78,33 @@ class WorkerExtension:
     def receive_weights(self, round_info: dict, lora_folder: str = "") -> dict:
         """Receive a weight round and load it in place; returns stats (version, bytes, seconds).
 
-        An adapter round (`info.adapter`) is written under `lora_folder` and loaded as the policy's
-        adapter. Raises `weight_sync.receiver.RoundMissed` (through collective_rpc) when this
-        generator was left out of the round; the weights are then untouched.
+        A same-host round through shared memory is loaded straight out of the sender's slot
+        (`weight_sync.receiver.load_in_place`); `version` in the stats is the version loaded (newer
+        than the round's only when a torn load was repaired). An adapter round (`info.adapter`) is
+        written under `lora_folder` and loaded as the policy's adapter. Raises
+        `weight_sync.receiver.RoundMissed` (through collective_rpc) when this generator was left
+        out of the round; the weights are then untouched.
         """
         from weight_sync.messages import round_info as checked
-        from weight_sync.receiver import receive_named_tensors
+        from weight_sync.receiver import in_place, load_in_place, receive_named_tensors
 
         info = checked(round_info)  # a plain map across collective_rpc: checked again here
         local_rank = int(getattr(self, "rank", 0) or 0)  # tensor-parallel workers hold consecutive ranks
         device = getattr(self, "device", "cpu")
         if info.backend == "gloo":
             device = "cpu"  # gloo moves host tensors; loading copies them to the model's device
+        if info.adapter is not None and not lora_folder:
+            raise RuntimeError(f"round {info.round_id} carries a LoRA adapter (rank {info.adapter.r}) but this "
+                               f"engine was started without LoRA: set generator.lora_rank")
+        if in_place(info, device):
+            stats = load_in_place(info, self._load_named, local_rank)
+            self._after_full_load(lora_folder)
+            return {**stats, "local_rank": local_rank, "load_path": self._conveyor_load_path}
         # host buffers are kept between rounds (one model copy of RAM; fresh pages cost as much as
         # the transfer); device memory is not, so the KV cache keeps it
         buffers = None
         if str(device) == "cpu":
             buffers = self.__dict__.setdefault("_weight_sync_buffers", [])
-        if info.adapter is not None and not lora_folder:
-            raise RuntimeError(f"round {info.round_id} carries a LoRA adapter (rank {info.adapter.r}) but this "
-                               f"engine was started without LoRA: set generator.lora_rank")
         named, stats = receive_named_tensors(info, local_rank, device, buffers)
         t0 = time.monotonic()
         if info.adapter is not None:
@@ -109,24 +116,36 @@ class WorkerExtension:
             path = write_adapter(named, info.adapter, os.path.join(lora_folder, f"rank{local_rank}"))
             self.add_lora(LoRARequest(LORA_NAME, LORA_ID, path, load_inplace=True))
         else:
-            from actors.vllm_load import apply_plan, load_plan
-
-            # a repacked layer's staging weight is kept between rounds, as the receive buffers are
-            plan = load_plan(self.model_runner.get_model(), named, self.__dict__.setdefault("_weight_sync_staging", {}))
-            if plan is not None:
-                apply_plan(plan, named)
-                stats["load_path"] = "repack" if plan.rebind else "direct"
-            else:
-                # reload_weights, not model.load_weights: the latter fails on the CPU build once the
-                # weights have been repacked into kernel layout
-                self.reload_weights(weights_iterator=iter(named))
-                stats["load_path"] = "reload_weights"
-            if lora_folder and LORA_ID not in self.list_loras():
-                # full (e.g. merged) weights into a LoRA engine: the reload dropped the adapters;
-                # the zero adapter again, so the requests' adapter id stays valid
-                self.init_lora_slot(self._conveyor_lora_rank, lora_folder)
+            finish = self._load_named(named)
+            if finish is not None:
+                finish()
+            stats["load_path"] = self._conveyor_load_path
+            self._after_full_load(lora_folder)
         stats.update(load_s=time.monotonic() - t0, version=info.version, local_rank=local_rank)
         return stats
+
+    def _load_named(self, named: list):
+        """Copy full weights `named` into the model; returns what completes the load (repacking
+        layers), or None when nothing is left to do."""
+        from actors.vllm_load import copy_plan, finish_plan, load_plan
+
+        # a repacked layer's staging weight is kept between rounds, as the receive buffers are
+        plan = load_plan(self.model_runner.get_model(), named, self.__dict__.setdefault("_weight_sync_staging", {}))
+        if plan is None:
+            # reload_weights, not model.load_weights: the latter fails on the CPU build once the
+            # weights have been repacked into kernel layout
+            self.reload_weights(weights_iterator=iter(named))
+            self._conveyor_load_path = "reload_weights"
+            return None
+        copy_plan(plan, named)
+        self._conveyor_load_path = "repack" if plan.rebind else "direct"
+        return lambda: finish_plan(plan)
+
+    def _after_full_load(self, lora_folder: str) -> None:
+        if lora_folder and LORA_ID not in self.list_loras():
+            # full (e.g. merged) weights into a LoRA engine: the reload dropped the adapters;
+            # the zero adapter again, so the requests' adapter id stays valid
+            self.init_lora_slot(self._conveyor_lora_rank, lora_folder)
 
 
 def rpc_timeout(info) -> float:
@@ -154,7 +173,9 @@ async def apply_round_async(engine, info, mode: str | None = None, label: str | 
                                               args=(to_builtins(info), lora_folder))
         if label is not None:
             # while paused: every step from now on is computed by, and labelled with, the new weights
-            await engine.update_weight_version(label)
+            # (the version loaded: newer than the round's after a repaired in-place load)
+            loaded = results[0].get("version", info.version)
+            await engine.update_weight_version(str(loaded) if loaded != info.version else label)
     finally:
         if interrupt:
             await engine.resume_generation()

@@ -99,6 +99,9 @@ class WeightSyncHook:
             # Keep generating with the weights we have: their version is still stamped truthfully.
             log.error("weights v%d not loaded: %s: %s", version, type(e).__name__, e)
             self._ask(self.ws.done, version, ok=False, load_s=time.monotonic() - t0, error=f"{type(e).__name__}: {e}")
+            if "weights damaged:" in str(e):  # (WeightsDamaged, as it comes back from the engine's workers)
+                # unless they are a mixture of two versions: this generator stops, to be restarted
+                raise
             return
         load_s = time.monotonic() - t0
         self._ask(self.ws.done, version, ok=True, load_s=load_s)

@@ -20,7 +20,8 @@ Then (d) rounds into a live vLLM engine (CPU build here) for the same model, alt
 (e) (on a GPU, (e) with the slot on the device: CUDA IPC, `vllm_ipc_*`): `vllm_load_s` is the
 worker's load after the bytes arrived (`load_path`: `direct` copies into the engine's parameters,
 `repack` gives the CPU build's repacked layers their new weights and repacks them,
-`reload_weights` is vLLM's own reload), `vllm_publish_to_serving_s` runs from the learner calling
+`reload_weights` is vLLM's own reload; through the segment, `vllm_shm_load_s` is the whole load
+straight out of the slot: no receive step before it), `vllm_publish_to_serving_s` runs from the learner calling
 publish to the engine answering a request on the new version (same host: one clock). The first two vLLM rounds warm up
 (receive buffers, the segment's pages). Medians over --reps. The last line printed is one JSON
 object, with every figure's ratio to raw.
@@ -319,10 +320,10 @@ def vllm_rounds(a, model_dir: str, port: int, env: dict, named: list, senders: l
               f" + receive {w['recv_s']:.3f} + load ({w.get('load_path')}) {w['load_s']:.3f} + the rest of the engine "
               f"call {w['loaded_at'] - w['info_at'] - w['recv_s'] - w['load_s']:.3f} + first token "
               f"{w['serving_at'] - w['loaded_at']:.3f} s", flush=True)
-    for via in ("broadcast", "shm", "cuda_ipc"):
-        warm = [(r, w, p2s) for r, w, p2s in rows[2:] if w.get("via") == via]
+    # a same-host member on the CPU loads straight out of the slot (shm_in_place); others copy it out (shm)
+    for key, vias in (("vllm", ("broadcast",)), ("vllm_shm", ("shm", "shm_in_place")), ("vllm_ipc", ("cuda_ipc",))):
+        warm = [(r, w, p2s) for r, w, p2s in rows[2:] if w.get("via") in vias]
         if warm:
-            key = {"broadcast": "vllm", "shm": "vllm_shm", "cuda_ipc": "vllm_ipc"}[via]
             out[f"{key}_load_s"] = statistics.median(w["load_s"] for _, w, _ in warm)
             out[f"{key}_publish_to_serving_s"] = statistics.median(p for _, _, p in warm)
             out[f"ratio_{key}_load_vs_raw"] = out[f"{key}_load_s"] / raw_s

@@ -341,3 +341,75 @@ def test_groups_of_k_serve_every_member_and_a_silent_one_costs_only_its_group(se
         assert (version, via) == (1, "broadcast")
         assert all(torch.equal(a, b) for (_, a), (_, b) in zip(bk.unpack(manifest, got), named))
     ghost.close()
+
+
+def _in_place_member(port: int, out: dict, loads: list) -> None:
+    """A member that loads each round straight out of the slot into `out["weights"]` (a model's
+    tensors); `loads[i]` is called after round i's copy, before the seqlock's second look (None:
+    nothing), to rewrite the slot under it as a sender that lapped a stalled member does."""
+    from weight_sync.receiver import WeightsDamaged, in_place, load_in_place
+
+    ws = GeneratorSyncClient("127.0.0.1", port, "g0")
+    ws.register("transformers")
+    deadline = time.monotonic() + 30
+    while len(out["stats"]) < len(loads) and time.monotonic() < deadline:
+        info = ws.poll()
+        if info is None:
+            time.sleep(0.01)
+            continue
+        assert in_place(info)
+        after = loads[len(out["stats"])]
+
+        def load(named):
+            out["weights"] = {n: t.clone() for n, t in named}
+            if after is not None:
+                after()
+
+        try:
+            out["stats"].append(load_in_place(info, load))
+            out["loaded"].append(dict(out["weights"]))
+        except WeightsDamaged as e:
+            out["stats"].append(e)
+        ws.done(info.version)
+    ws.close()
+
+
+def test_an_in_place_load_reads_the_slot_itself_and_repairs_a_torn_one(service):
+    """A member on the sender's host loads straight out of the slot (no receive buffers): bit for
+    bit the version sent. A slot rewritten under the load (the sender lapped a stalled member) is
+    loaded again from the newest complete version, which the stats name; one rewritten under every
+    try ends in `WeightsDamaged`, and the round counts the member failed."""
+    from weight_sync.receiver import REPAIRS, WeightsDamaged
+
+    svc, port = service
+    named = _named()
+    versions = {v: [(n, x + v) for n, x in named] for v in range(1, 20)}
+    box: dict = {"left": 0}
+
+    def rewrite():  # the sender writes a newer version into the slot being loaded (same parity)
+        if box["left"] > 0:
+            box["left"] -= 1
+            v, box["next"] = box["next"], box["next"] + 2
+            box["seg"].write(v, *bk.gather(versions[v], 256 << 20))
+
+    out: dict = {"stats": [], "loaded": []}
+    t = threading.Thread(target=_in_place_member, args=(port, out, [None, rewrite, rewrite]))
+    t.start()
+    while "g0" not in svc.state.generators:
+        time.sleep(0.01)
+    with WeightSender("127.0.0.1", port, timeout_s=20, join_timeout_s=10, same_host="auto",
+                      serve_in_background=False) as s:
+        stats = [s.publish(1, versions[1])]
+        box.update(seg=s._segment, left=1, next=4)  # v2's slot 0 gets v4 once
+        stats.append(s.publish(2, versions[2]))
+        box.update(left=REPAIRS + 1, next=5)  # v3's slot 1 gets v5, v7, ... under every load
+        stats.append(s.publish(3, versions[3]))
+    t.join(30)
+    assert [st["ok"] for st in stats] == [["g0"], ["g0"], []], stats
+    first, repaired, damaged = out["stats"]
+    assert (first["version"], first["repairs"], first["via"]) == (1, 0, "shm_in_place")
+    assert (repaired["version"], repaired["repairs"]) == (4, 1)  # v2 torn by v4: v4 loaded again
+    assert isinstance(damaged, WeightsDamaged) and box["left"] == 0, damaged
+    for v, loaded in zip((1, 4), out["loaded"]):
+        for name, sent in versions[v]:
+            assert torch.equal(loaded[name], sent), (v, name)

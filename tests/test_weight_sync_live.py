@@ -149,7 +149,7 @@ def test_vllm_round_matches_transformers_greedy(vllm_generator, tiny_model_dir, 
     # weights, so the round repacks them (a generator's float32 engine keeps plain weights,
     # generator.cpu_linear auto, and its round is a copy: the e2e run's evaluations check that)
     assert ev["stats"]["load_path"] == ("direct" if torch.cuda.is_available() else "repack")
-    assert ev["stats"]["via"] == "shm"  # one host: the sender's shared-memory segment, not the broadcast
+    assert ev["stats"]["via"] == "shm_in_place"  # one host: loaded straight out of the sender's segment, not broadcast
     st = status(port)
     assert st["generators"]["vllm0"]["version"] == 5 and st["generators"]["vllm0"]["lag"] == 0
     assert st["current_version"] == 5 and st["last_round"]["ok"] == ["vllm0"]

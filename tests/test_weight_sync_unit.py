@@ -480,3 +480,30 @@ def test_the_rendezvous_keys_are_under_the_senders_secret():
     assert sender.joined(1) == "broadcast" and sender.joined(2) is None and stranger.joined(1) is None
     with pytest.raises(ProtocolError, match="secret"):
         decode(encode(Ready("learner0", 1, "gloo", _manifest(), "h", 1, secret="not hex!")))
+
+
+def test_the_hook_keeps_serving_old_weights_but_stops_on_damaged_ones():
+    """A round that was not loaded leaves the old weights (the hook reports it and goes on); one
+    whose in-place load left a mixture (`WeightsDamaged`, as the engine's workers raise it) stops
+    the generator, after reporting, so its supervisor restarts it."""
+    from types import SimpleNamespace
+
+    from actors.weight_hook import WeightSyncHook
+    from weight_sync.receiver import WeightsDamaged
+
+    done = []
+    ws = SimpleNamespace(done=lambda version, **kw: done.append((version, kw["ok"])))
+
+    class Engine:
+        def __init__(self, error):
+            self.error = error
+
+        def receive_weights(self, info):
+            raise self.error
+
+    hook = WeightSyncHook(ws)
+    info = SimpleNamespace(version=7, mode="finish")
+    hook.apply(Engine(RuntimeError("rank 0: left out of round 3")), info)
+    with pytest.raises(RuntimeError, match="weights damaged"):  # across collective_rpc: its text
+        hook.apply(Engine(RuntimeError(str(WeightsDamaged("weights damaged: v7 was overwritten")))), info)
+    assert done == [(7, False), (7, False)]

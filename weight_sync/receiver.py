@@ -139,6 +139,75 @@ def _read_shm(info: RoundInfo, rs: RoundStore, rank: int, bufs: list, deadline: 
                   "bytes": info.manifest.total_bytes, "buckets": len(bufs)}
 
 
+class WeightsDamaged(RuntimeError):
+    """An in-place load was overwritten under it and no complete version could be loaded again
+    within the round's bound: the engine's weights are a mixture and it must not serve them."""
+
+
+REPAIRS = 5  # loads again after a torn in-place read before the weights are given up as damaged
+
+
+def in_place(info: RoundInfo, device: Any = "cpu") -> bool:
+    """Whether this member loads the round straight out of the sender's host slot (`load_in_place`):
+    a same-host round whose slot is in shared memory (not a CUDA IPC slot), received on the CPU."""
+    return (info.backend != "disk" and info.adapter is None and str(device) == "cpu" and info.shm is not None
+            and not info.shm.ipc and shm.usable(info.shm, device))
+
+
+def load_in_place(info: RoundInfo, load, local_rank: int = 0) -> dict:
+    """Join a same-host round (`in_place`) and call `load(named)` on views of the sender's slot
+    itself: the engine copies the version once, from the segment into its weights, instead of into
+    receive buffers first. `load` returns what completes the load (e.g. repacking layers), called
+    once the seqlock confirms the slot was not rewritten meanwhile.
+
+    A slot rewritten under the load (the sender lapped this member: it was stalled past two rounds)
+    has left a mixture in the engine: it loads again from the newest complete version in the
+    segment (>= the round's), up to `REPAIRS` times within the round's bound, and the stats name
+    the version it holds. If none holds still, `WeightsDamaged`. Returns stats with `version`.
+    """
+    t0 = time.monotonic()
+    deadline = t0 + info.timeout_s
+    rank = info.rank + local_rank
+    try:
+        rs = RoundStore(info.host, info.port, info.round_id, deadline - time.monotonic(), info.secret)
+    except Exception as e:  # sender gone
+        raise RoundMissed(f"rank {rank}: cannot reach the rendezvous store {info.host}:{info.port}: {e}") from None
+    rs.join(rank, shm=True)
+    roster = rs.wait_shm_roster(deadline)
+    if roster is None:
+        raise RoundMissed(f"rank {rank}: no roster for round {info.round_id} (shared memory) within {info.timeout_s}s")
+    if rank not in roster.ranks:
+        raise RoundMissed(f"rank {rank}: left out of round {info.round_id} (shared memory)")
+    t_load = time.monotonic()
+    try:
+        slot = shm.open_slot(info.shm, info.version, info.manifest)  # nothing loaded if it is not there
+    except RoundMissed:
+        rs.report("shm", rank, ok=False)
+        raise
+    repairs = 0
+    while True:
+        finish = load(bk.unpack(info.manifest, slot.buckets))
+        if shm.intact(info.shm, slot, info.manifest):
+            break
+        again = None
+        while again is None and repairs < REPAIRS and time.monotonic() < deadline:
+            again = shm.newest(info.shm, info.manifest, info.version)
+            if again is None:
+                time.sleep(0.01)  # the writer is in the middle of the newer version
+        if again is None:
+            rs.report("shm", rank, ok=False)
+            raise WeightsDamaged(f"weights damaged: v{slot.version} was overwritten in shared memory while it was "
+                                 f"loaded, and no complete version could be loaded again ({repairs} tries)")
+        slot, repairs = again, repairs + 1
+    if finish is not None:
+        finish()
+    load_s = time.monotonic() - t_load
+    rs.report("shm", rank, ok=True)
+    return {"recv_s": 0.0, "load_s": load_s, "join_to_done_s": time.monotonic() - t0, "attempts": 1 + repairs,
+            "via": "shm_in_place", "bytes": info.manifest.total_bytes, "buckets": len(slot.buckets),
+            "version": slot.version, "repairs": repairs}
+
+
 def load_disk(info: RoundInfo, device: Any = "cpu") -> list[tuple[str, Any]]:
     """The named tensors of a disk round (`info.path` holds `model.safetensors` + manifest)."""
     from safetensors.torch import load_file

@@ -40,7 +40,7 @@ from __future__ import annotations
 import os
 import secrets
 import socket
-from typing import Sequence
+from typing import NamedTuple, Sequence
 
 from weight_sync import buckets as bk
 from weight_sync.round import RoundMissed
@@ -254,27 +254,96 @@ def _device_slot(shm):
     return _OPENED[key]
 
 
+_MAPPED: dict[tuple[str, int], object] = {}  # (path, nonce) -> this member's mapping of a host segment
+
+
+def _mapping(shm, nbytes: int):
+    """This member's mapping of the host segment `shm`, kept between rounds: a fresh mapping of a
+    model's slot costs a page fault per 4 KiB at first touch (~a third of the copy itself). Mapping
+    another segment drops the last one (the sender made a new one)."""
+    key = (shm.path, shm.nonce)
+    mem = _MAPPED.get(key)
+    if mem is None or mem.numel() < nbytes:
+        _MAPPED.clear()
+        mem = _MAPPED[key] = _map(shm.path, nbytes)
+    return mem
+
+
+class SlotRead(NamedTuple):
+    """A complete version found in a host slot: its buckets as views of the slot (no copy). Valid
+    as long as `intact` says so after they were read."""
+    version: int
+    buckets: list
+    slot: int
+    seq: int
+
+
+def _words(shm, manifest: bk.Manifest):
+    import torch
+
+    mem = _mapping(shm, HEADER + 2 * bases(manifest)[-1])
+    return mem, mem[:HEADER].view(torch.int64)
+
+
+def open_slot(shm, version: int, manifest: bk.Manifest) -> SlotRead:
+    """Version `version` where it lies in the host segment `shm`; raises `RoundMissed` when its
+    slot does not hold a complete copy of it. Read the views, then ask `intact`."""
+    mem, words = _words(shm, manifest)
+    s = version % 2
+    seq, held = int(words[_SEQ + 2 * s]), int(words[_VERSION + 2 * s])
+    if seq % 2 or held != version:
+        raise RoundMissed(f"shared-memory slot {s} holds v{held} (seq {seq}), not v{version}")
+    base, need = bases(manifest), bases(manifest)[-1]
+    start = HEADER + s * need
+    return SlotRead(version, [mem[start + b:start + b + n] for b, n in zip(base, manifest.buckets)], s, seq)
+
+
+def intact(shm, read: SlotRead, manifest: bk.Manifest) -> bool:
+    """Whether the slot of `read` was left alone since it was opened (the seqlock's second look)."""
+    return int(_words(shm, manifest)[1][_SEQ + 2 * read.slot]) == read.seq
+
+
+def newest(shm, manifest: bk.Manifest, at_least: int) -> SlotRead | None:
+    """The newest complete version >= `at_least` in the segment's two slots (None: none is), to
+    load again after a read the sender overwrote."""
+    _, words = _words(shm, manifest)
+    held = sorted(((int(words[_VERSION + 2 * s]), s) for s in (0, 1) if int(words[_SEQ + 2 * s]) % 2 == 0),
+                  reverse=True)
+    for version, _ in held:
+        if version >= at_least:
+            try:
+                return open_slot(shm, version, manifest)
+            except RoundMissed:  # the writer started on it meanwhile
+                continue
+    return None
+
+
 def read(shm, version: int, manifest: bk.Manifest, buffers: Sequence) -> None:
     """Copy version `version` out of the segment into `buffers` (one per bucket); raises
     `RoundMissed` when the slot does not hold a complete copy of that version."""
     import torch
 
+    if not shm.ipc:
+        slot = open_slot(shm, version, manifest)
+        for view, buf in zip(slot.buckets, buffers):
+            buf.copy_(view, non_blocking=True)
+        if any(b.is_cuda for b in buffers):
+            torch.cuda.synchronize()  # copied before the seq is read again
+        if not intact(shm, slot, manifest):
+            raise RoundMissed(f"v{version} was overwritten in shared memory while it was being read")
+        return
     need = bases(manifest)[-1]
-    slots = 1 if shm.ipc else 2
-    mem = _map(shm.path, HEADER + (0 if shm.ipc else slots * need))
-    words = mem[:HEADER].view(torch.int64)
-    s = version % slots
-    seq = int(words[_SEQ + 2 * s])
-    if seq % 2 or int(words[_VERSION + 2 * s]) != version:
-        raise RoundMissed(f"shared-memory slot {s} holds v{int(words[_VERSION + 2 * s])} (seq {seq}), not v{version}")
-    slot = _device_slot(shm) if shm.ipc else mem[HEADER + s * need:HEADER + (s + 1) * need]
+    words = _map(shm.path, HEADER)[:HEADER].view(torch.int64)
+    seq = int(words[_SEQ])
+    if seq % 2 or int(words[_VERSION]) != version:
+        raise RoundMissed(f"the device slot holds v{int(words[_VERSION])} (seq {seq}), not v{version}")
+    slot = _device_slot(shm)
     if slot is None or slot.numel() < need:
         raise RoundMissed(f"the device slot of segment {shm.path} cannot be mapped here")
     for base, buf in zip(bases(manifest), buffers):
         buf.copy_(slot[base:base + buf.numel()], non_blocking=True)
-    if any(b.is_cuda for b in buffers):
-        torch.cuda.synchronize()  # copied before the seq is read again
-    if int(words[_SEQ + 2 * s]) != seq:
+    torch.cuda.synchronize()  # copied before the seq is read again
+    if int(words[_SEQ]) != seq:
         raise RoundMissed(f"v{version} was overwritten in shared memory while it was being read")
 
 
