@@ -13,6 +13,9 @@ are in `weight_sync/round.py`):
    own buckets;
 4. report `ok` and return the buckets; on a failed broadcast report `err` and wait for attempt k+1.
 
+A same-host member receiving on the CPU (a vLLM worker) takes no buffers at all: `load_in_place`
+hands its load views of the sender's slot, then checks the slot's seqlock.
+
 A round whose `info.adapter` is set carries a LoRA adapter (peft's tensor names): vLLM loads it
 as an adapter from the folder `write_adapter` fills (peft's format); a plain torch model gets it
 merged into its weights by `receive_into_model` (base + scale * B @ A, from the base weights it
