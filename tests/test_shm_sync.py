@@ -368,7 +368,7 @@ def _in_place_member(port: int, out: dict, loads: list) -> None:
         try:
             out["stats"].append(load_in_place(info, load))
             out["loaded"].append(dict(out["weights"]))
-        except WeightsDamaged as e:
+        except (WeightsDamaged, RuntimeError) as e:
             out["stats"].append(e)
         ws.done(info.version)
     ws.close()
@@ -378,7 +378,8 @@ def test_an_in_place_load_reads_the_slot_itself_and_repairs_a_torn_one(service):
     """A member on the sender's host loads straight out of the slot (no receive buffers): bit for
     bit the version sent. A slot rewritten under the load (the sender lapped a stalled member) is
     loaded again from the newest complete version, which the stats name; one rewritten under every
-    try ends in `WeightsDamaged`, and the round counts the member failed."""
+    try ends in `WeightsDamaged`, and the round counts the member failed, as it does at once when
+    the engine's load raises."""
     from weight_sync.receiver import REPAIRS, WeightsDamaged
 
     svc, port = service
@@ -392,8 +393,11 @@ def test_an_in_place_load_reads_the_slot_itself_and_repairs_a_torn_one(service):
             v, box["next"] = box["next"], box["next"] + 2
             box["seg"].write(v, *bk.gather(versions[v], 256 << 20))
 
+    def broken():
+        raise RuntimeError("the engine refused the weights")
+
     out: dict = {"stats": [], "loaded": []}
-    t = threading.Thread(target=_in_place_member, args=(port, out, [None, rewrite, rewrite]))
+    t = threading.Thread(target=_in_place_member, args=(port, out, [None, rewrite, rewrite, broken]))
     t.start()
     while "g0" not in svc.state.generators:
         time.sleep(0.01)
@@ -404,9 +408,14 @@ def test_an_in_place_load_reads_the_slot_itself_and_repairs_a_torn_one(service):
         stats.append(s.publish(2, versions[2]))
         box.update(left=REPAIRS + 1, next=5)  # v3's slot 1 gets v5, v7, ... under every load
         stats.append(s.publish(3, versions[3]))
+        t0 = time.monotonic()
+        stats.append(s.publish(4, versions[4]))  # a load that fails is reported at once, not at the deadline
+        failed_s = time.monotonic() - t0
     t.join(30)
-    assert [st["ok"] for st in stats] == [["g0"], ["g0"], []], stats
-    first, repaired, damaged = out["stats"]
+    assert [st["ok"] for st in stats] == [["g0"], ["g0"], [], []], stats
+    assert failed_s < 5, failed_s
+    first, repaired, damaged, refused = out["stats"]
+    assert isinstance(refused, RuntimeError) and "refused" in str(refused), refused
     assert (first["version"], first["repairs"], first["via"]) == (1, 0, "shm_in_place")
     assert (repaired["version"], repaired["repairs"]) == (4, 1)  # v2 torn by v4: v4 loaded again
     assert isinstance(damaged, WeightsDamaged) and box["left"] == 0, damaged

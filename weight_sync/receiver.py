@@ -60,10 +60,7 @@ def receive_buckets(info: RoundInfo, local_rank: int = 0, device: Any = "cpu",
     t0 = time.monotonic()
     deadline = t0 + info.timeout_s
     rank = info.rank + local_rank
-    try:
-        rs = RoundStore(info.host, info.port, info.round_id, deadline - time.monotonic(), info.secret)
-    except Exception as e:  # sender gone
-        raise RoundMissed(f"rank {rank}: cannot reach the rendezvous store {info.host}:{info.port}: {e}") from None
+    rs = _store(info, rank, deadline)
     via_shm = info.shm is not None and shm.usable(info.shm, device)
     rs.join(rank, shm=via_shm)
     sizes = list(info.manifest.buckets)
@@ -122,13 +119,25 @@ def receive_buckets(info: RoundInfo, local_rank: int = 0, device: Any = "cpu",
         return bufs, stats
 
 
-def _read_shm(info: RoundInfo, rs: RoundStore, rank: int, bufs: list, deadline: float, t0: float):
-    """The same-host path of `receive_buckets`: wait for the segment's roster, copy, report."""
+def _store(info: RoundInfo, rank: int, deadline: float) -> RoundStore:
+    try:
+        return RoundStore(info.host, info.port, info.round_id, deadline - time.monotonic(), info.secret)
+    except Exception as e:  # sender gone
+        raise RoundMissed(f"rank {rank}: cannot reach the rendezvous store {info.host}:{info.port}: {e}") from None
+
+
+def _wait_shm_roster(info: RoundInfo, rs: RoundStore, rank: int, deadline: float) -> None:
+    """Until the sender names the segment's readers; `RoundMissed` if not in time or not this rank."""
     roster = rs.wait_shm_roster(deadline)
     if roster is None:
         raise RoundMissed(f"rank {rank}: no roster for round {info.round_id} (shared memory) within {info.timeout_s}s")
     if rank not in roster.ranks:
         raise RoundMissed(f"rank {rank}: left out of round {info.round_id} (shared memory)")
+
+
+def _read_shm(info: RoundInfo, rs: RoundStore, rank: int, bufs: list, deadline: float, t0: float):
+    """The same-host path of `receive_buckets`: wait for the segment's roster, copy, report."""
+    _wait_shm_roster(info, rs, rank, deadline)
     t_read = time.monotonic()
     try:
         shm.read(info.shm, info.version, info.manifest, bufs)
@@ -171,39 +180,34 @@ def load_in_place(info: RoundInfo, load, local_rank: int = 0) -> dict:
     t0 = time.monotonic()
     deadline = t0 + info.timeout_s
     rank = info.rank + local_rank
-    try:
-        rs = RoundStore(info.host, info.port, info.round_id, deadline - time.monotonic(), info.secret)
-    except Exception as e:  # sender gone
-        raise RoundMissed(f"rank {rank}: cannot reach the rendezvous store {info.host}:{info.port}: {e}") from None
+    rs = _store(info, rank, deadline)
     rs.join(rank, shm=True)
-    roster = rs.wait_shm_roster(deadline)
-    if roster is None:
-        raise RoundMissed(f"rank {rank}: no roster for round {info.round_id} (shared memory) within {info.timeout_s}s")
-    if rank not in roster.ranks:
-        raise RoundMissed(f"rank {rank}: left out of round {info.round_id} (shared memory)")
+    _wait_shm_roster(info, rs, rank, deadline)
     t_load = time.monotonic()
-    try:
+    try:  # the sender waits for this member's word: it hears it however the load ends
         slot = shm.open_slot(info.shm, info.version, info.manifest)  # nothing loaded if it is not there
-    except RoundMissed:
-        rs.report("shm", rank, ok=False)
-        raise
-    repairs = 0
-    while True:
-        finish = load(bk.unpack(info.manifest, slot.buckets))
-        if shm.intact(info.shm, slot, info.manifest):
-            break
-        again = None
-        while again is None and repairs < REPAIRS and time.monotonic() < deadline:
-            again = shm.newest(info.shm, info.manifest, info.version)
+        repairs = 0
+        while True:
+            finish = load(bk.unpack(info.manifest, slot.buckets))
+            if shm.intact(info.shm, slot, info.manifest):
+                break
+            again = None
+            while again is None and repairs < REPAIRS and time.monotonic() < deadline:
+                again = shm.newest(info.shm, info.manifest, info.version)
+                if again is None:
+                    time.sleep(0.01)  # the writer is in the middle of the newer version
             if again is None:
-                time.sleep(0.01)  # the writer is in the middle of the newer version
-        if again is None:
+                raise WeightsDamaged(f"weights damaged: v{slot.version} was overwritten in shared memory while it "
+                                     f"was loaded, and no complete version could be loaded again ({repairs} tries)")
+            slot, repairs = again, repairs + 1
+        if finish is not None:
+            finish()
+    except BaseException:
+        try:
             rs.report("shm", rank, ok=False)
-            raise WeightsDamaged(f"weights damaged: v{slot.version} was overwritten in shared memory while it was "
-                                 f"loaded, and no complete version could be loaded again ({repairs} tries)")
-        slot, repairs = again, repairs + 1
-    if finish is not None:
-        finish()
+        except Exception:  # the sender is gone: nobody waits for the word
+            pass
+        raise
     load_s = time.monotonic() - t_load
     rs.report("shm", rank, ok=True)
     return {"recv_s": 0.0, "load_s": load_s, "join_to_done_s": time.monotonic() - t0, "attempts": 1 + repairs,
