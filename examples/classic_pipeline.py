@@ -12,8 +12,9 @@
    answer is never shown to the RL loop.
 
 Greedy accuracy on held-out problems (never trained on) is printed after each stage and written to
-`<out>/summary.json`. Measured on 2 busy CPU cores: base 0.00 -> SFT 0.68 -> PPO 0.75-0.785 (four
-runs; one more ended at 0.65) in ~2.5 minutes with `--quick` (20 PPO steps); the full run (80 PPO steps, a longer-trained reward model) takes ~4
+`<out>/summary.json`. Measured on 2 busy CPU cores: base 0.00 -> SFT 0.68 -> PPO 0.77-0.835 at step 10
+and 0.595-0.80 at step 20 (five runs: the end of a 20-step run is noisy; the summary's `ppo_curve`
+has every checkpoint) in ~2-3 minutes with `--quick`; the full run (80 PPO steps, a longer-trained reward model) takes ~4
 minutes and reaches 0.82-0.87. Longer PPO over-optimises the learned reward: in a 150-step run
 held-out accuracy peaked at 0.845 (step 75) and sank to 0.75 by step 150, while the reward rose.
 `--sft.KEY V` / `--rm.KEY V` go to those stages; any other `--section.KEY V` to the PPO run config

