@@ -408,6 +408,9 @@ def test_an_in_place_load_reads_the_slot_itself_and_repairs_a_torn_one(service):
         stats.append(s.publish(2, versions[2]))
         box.update(left=REPAIRS + 1, next=5)  # v3's slot 1 gets v5, v7, ... under every load
         stats.append(s.publish(3, versions[3]))
+        g0, until = svc.state.generators["g0"], time.monotonic() + 10
+        while (g0.dead or g0.absent) and time.monotonic() < until:  # failed: in rounds again once heard from
+            time.sleep(0.01)
         t0 = time.monotonic()
         stats.append(s.publish(4, versions[4]))  # a load that fails is reported at once, not at the deadline
         failed_s = time.monotonic() - t0
