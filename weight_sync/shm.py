@@ -279,23 +279,28 @@ class SlotRead(NamedTuple):
 
 
 def _words(shm, manifest: bk.Manifest):
+    """This member's mapping of segment `shm` and its header words (a device slot's file is the
+    header alone)."""
     import torch
 
-    mem = _mapping(shm, HEADER + 2 * bases(manifest)[-1])
+    mem = _mapping(shm, HEADER + (0 if shm.ipc else 2 * bases(manifest)[-1]))
     return mem, mem[:HEADER].view(torch.int64)
 
 
 def open_slot(shm, version: int, manifest: bk.Manifest) -> SlotRead:
-    """Version `version` where it lies in the host segment `shm`; raises `RoundMissed` when its
-    slot does not hold a complete copy of it. Read the views, then ask `intact`."""
+    """Version `version` where it lies in segment `shm` (its host slot, or the sender's device
+    slot); raises `RoundMissed` when the slot does not hold a complete copy of it, or the device
+    slot cannot be mapped here. Read the views, then ask `intact`."""
     mem, words = _words(shm, manifest)
-    s = version % 2
+    s = version % (1 if shm.ipc else 2)
     seq, held = int(words[_SEQ + 2 * s]), int(words[_VERSION + 2 * s])
     if seq % 2 or held != version:
         raise RoundMissed(f"shared-memory slot {s} holds v{held} (seq {seq}), not v{version}")
-    base, need = bases(manifest), bases(manifest)[-1]
-    start = HEADER + s * need
-    return SlotRead(version, [mem[start + b:start + b + n] for b, n in zip(base, manifest.buckets)], s, seq)
+    base = bases(manifest)
+    data, start = (_device_slot(shm), 0) if shm.ipc else (mem, HEADER + s * base[-1])
+    if data is None or data.numel() < start + base[-1]:
+        raise RoundMissed(f"the device slot of segment {shm.path} cannot be mapped here")
+    return SlotRead(version, [data[start + b:start + b + n] for b, n in zip(base, manifest.buckets)], s, seq)
 
 
 def intact(shm, read: SlotRead, manifest: bk.Manifest) -> bool:
@@ -304,11 +309,11 @@ def intact(shm, read: SlotRead, manifest: bk.Manifest) -> bool:
 
 
 def newest(shm, manifest: bk.Manifest, at_least: int) -> SlotRead | None:
-    """The newest complete version >= `at_least` in the segment's two slots (None: none is), to
-    load again after a read the sender overwrote."""
+    """The newest complete version >= `at_least` in the segment's slots (None: none is), to load
+    again after a read the sender overwrote."""
     _, words = _words(shm, manifest)
-    held = sorted(((int(words[_VERSION + 2 * s]), s) for s in (0, 1) if int(words[_SEQ + 2 * s]) % 2 == 0),
-                  reverse=True)
+    held = sorted(((int(words[_VERSION + 2 * s]), s) for s in range(1 if shm.ipc else 2)
+                   if int(words[_SEQ + 2 * s]) % 2 == 0), reverse=True)
     for version, _ in held:
         if version >= at_least:
             try:
@@ -323,27 +328,12 @@ def read(shm, version: int, manifest: bk.Manifest, buffers: Sequence) -> None:
     `RoundMissed` when the slot does not hold a complete copy of that version."""
     import torch
 
-    if not shm.ipc:
-        slot = open_slot(shm, version, manifest)
-        for view, buf in zip(slot.buckets, buffers):
-            buf.copy_(view, non_blocking=True)
-        if any(b.is_cuda for b in buffers):
-            torch.cuda.synchronize()  # copied before the seq is read again
-        if not intact(shm, slot, manifest):
-            raise RoundMissed(f"v{version} was overwritten in shared memory while it was being read")
-        return
-    need = bases(manifest)[-1]
-    words = _map(shm.path, HEADER)[:HEADER].view(torch.int64)
-    seq = int(words[_SEQ])
-    if seq % 2 or int(words[_VERSION]) != version:
-        raise RoundMissed(f"the device slot holds v{int(words[_VERSION])} (seq {seq}), not v{version}")
-    slot = _device_slot(shm)
-    if slot is None or slot.numel() < need:
-        raise RoundMissed(f"the device slot of segment {shm.path} cannot be mapped here")
-    for base, buf in zip(bases(manifest), buffers):
-        buf.copy_(slot[base:base + buf.numel()], non_blocking=True)
-    torch.cuda.synchronize()  # copied before the seq is read again
-    if int(words[_SEQ]) != seq:
+    slot = open_slot(shm, version, manifest)
+    for view, buf in zip(slot.buckets, buffers):
+        buf.copy_(view, non_blocking=True)
+    if shm.ipc or any(b.is_cuda for b in buffers):
+        torch.cuda.synchronize()  # copied before the seq is read again
+    if not intact(shm, slot, manifest):
         raise RoundMissed(f"v{version} was overwritten in shared memory while it was being read")
 
 
