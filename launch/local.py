@@ -17,6 +17,12 @@ restarts the whole run from its last checkpoint, up to N times. A run that finis
 `run.stall_timeout_s` stops with exit code 8 and the buffer's account of why. Each such event is
 said on the terminal and in `<run_dir>/logs/launcher.log`.
 
+Before anything starts, the run's device plan (launch/devices.py) gives every role process its own
+GPUs (CUDA_VISIBLE_DEVICES), or a memory share of one it shares, and refuses a layout that cannot
+fit with the numbers (exit code 2); `--plan` prints it and exits:
+
+    python -m launch.local CONFIG --plan          # CONVEYOR_FAKE_GPUS=8: as if this machine had 8 GPUs
+
 Another generator can join a running run from a second terminal:
 
     python -m launch.generator <run_dir>/config.yaml --generator.worker_id gen-extra
@@ -37,12 +43,26 @@ from pathlib import Path
 from launch.recovery import EXIT_CODES, RESUMABLE
 
 
-def plan_roles(run) -> list:
-    """The processes of the run in start order (launch/roles.py), with launch.local's restart policy."""
+def device_plan(run):
+    """The run's device plan on this machine (launch/devices.py); a layout that cannot fit is a
+    `ConfigError` with the numbers."""
+    from launch.config import ConfigError
+    from launch.devices import PlanError, plan_run
+
+    try:
+        return plan_run(run)
+    except PlanError as e:
+        raise ConfigError(str(e)) from None
+
+
+def plan_roles(run, devices=None) -> list:
+    """The processes of the run in start order (launch/roles.py), with launch.local's restart
+    policy, each on its devices (`devices`: the run's plan; None: made here)."""
     from launch.roles import RestartPolicy, plan, prepare_keys
 
+    devices = device_plan(run) if devices is None else devices
     prepare_keys(run)  # (CurveZMQ on: the run's keys, before any role starts)
-    return plan(run, "local", RestartPolicy(run.run.max_restarts, run.run.restart_delay_s))
+    return plan(run, "local", RestartPolicy(run.run.max_restarts, run.run.restart_delay_s), devices)
 
 
 class Status:
@@ -201,14 +221,40 @@ def main(argv: list[str] | None = None) -> None:
     from launch.run_config import load_run_config
 
     config_path = argv.pop(0) if not argv[0].startswith("--") else None
+    show_plan = "--plan" in argv
+    argv = [a for a in argv if a != "--plan"]
     try:
-        run = load_run_config(config_path, argv)
+        run = load_run_config(config_path, argv, paths=not show_plan)
+        if show_plan:
+            sys.exit(print_plan(run, "launch.local"))
         if run.stale_state():
             raise ConfigError(run.stale_state())
+        device_plan(run)  # (refused here, before anything starts, when it cannot fit)
     except ConfigError as e:
         print(f"launch.local: {e}", file=sys.stderr)
         sys.exit(EXIT_CODES["config"])
     sys.exit(run_local(run))
+
+
+def print_plan(run, prog: str) -> int:
+    """`--plan`: the device plan as a table and every role's environment; 0, or the config error
+    code with the numbers when the run does not fit."""
+    from launch.config import ConfigError
+    from launch.roles import RestartPolicy, plan
+
+    try:
+        devices = device_plan(run)
+    except ConfigError as e:
+        print(f"{prog}: {e}", file=sys.stderr)
+        return EXIT_CODES["config"]
+    print(devices.table(), end="")
+    if devices.layout != "cpu":
+        print("  environment:")
+        for spec in plan(run, "local", RestartPolicy(), devices):
+            extra = {k: v for k, v in spec.env.items() if k.startswith(("CUDA_", "CONVEYOR_CUDA"))}
+            flags = " ".join(devices.overrides(spec.name))
+            print(f"    {spec.name:<13} " + " ".join(f"{k}={v}" for k, v in extra.items()) + (f" {flags}" if flags else ""))
+    return 0
 
 
 if __name__ == "__main__":

@@ -118,7 +118,12 @@ def role_env(threads: int, keys: str = "", key_name: str = "") -> dict[str, str]
     """The environment every role process gets on top of its launcher's; with `keys` (the run's
     CurveZMQ key folder), also that folder and the process's identity `key_name`."""
     env = {"PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""), "PYTHONUNBUFFERED": "1",
-           "TOKENIZERS_PARALLELISM": "false"}
+           "TOKENIZERS_PARALLELISM": "false",
+           # torch.cuda.is_available() then asks NVML instead of initialising CUDA: a process that
+           # asked it before importing vLLM would otherwise fork vLLM's engine core with a CUDA
+           # that cannot start (vLLM picks fork unless torch.cuda.is_initialized(); it sets this
+           # variable itself, but only once imported: vllm/env_override.py)
+           "PYTORCH_NVML_BASED_CUDA_CHECK": "1"}
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"))
     if threads:
         env.update(OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads))
@@ -152,9 +157,29 @@ def generator_spec(run, i: int, launcher: str, restart: RestartPolicy) -> RoleSp
                     cpus=r.generator_cpus if launcher == "local" else "")
 
 
-def plan(run, launcher: str, restart: RestartPolicy) -> list[RoleSpec]:
+def plan(run, launcher: str, restart: RestartPolicy, devices=None) -> list[RoleSpec]:
     """The processes of `run` in start order, for `launcher` "local" or "ray"; `restart` is the
-    generators' and scorers' policy (run.max_restarts or ray.max_restarts)."""
+    generators' and scorers' policy (run.max_restarts or ray.max_restarts); `devices` the run's
+    device plan (launch/devices.py): each process's GPUs and memory share, and a role that
+    shares a device with the next is waited for before the next starts."""
+    specs = _plan(run, launcher, restart)
+    if devices is not None:
+        for spec in specs:
+            place(spec, devices)
+    return specs
+
+
+def place(spec: RoleSpec, devices) -> RoleSpec:
+    """`spec` with its devices from the plan: CUDA_VISIBLE_DEVICES (and a memory share) in its
+    environment, an engine's gpu_memory_utilization on its command line."""
+    spec.env = {**spec.env, **devices.env(spec.name)}
+    spec.argv = [*spec.argv, *devices.overrides(spec.name)]
+    if spec.name in devices.waited():
+        spec.ready = Readiness(spec.ready.probe, True, spec.ready.timeout_s, spec.ready.port)
+    return spec
+
+
+def _plan(run, launcher: str, restart: RestartPolicy) -> list[RoleSpec]:
     r = run.run
     keys = keys_dir(run)
     env = role_env(r.threads_per_role, keys)

@@ -72,6 +72,21 @@ class RunConfig(Section):
     """Stop the run (exit code 8) when the learner finishes no step for this many seconds, and say
     why (the buffer's diagnosis); 0: never."""
 
+    gpus: str = "auto"
+    """GPUs the run may use on each machine: `auto` (every GPU nvidia-smi lists, or
+    $CONVEYOR_FAKE_GPUS for planning: "8", "2x8", "8:141"), `none` (every role on the CPU), or
+    device indices such as `0,1,2,3`. launch/devices.py gives each role its own (`--plan` prints it)."""
+    gpu_memory_gb: float = Field(0.0, ge=0)
+    """Memory of each GPU in GiB for the plan's memory check; 0: as nvidia-smi reports it."""
+    placement: Literal["auto", "separate", "colocate", "colocate_scorers"] = "auto"
+    """How roles share GPUs (launch/devices.py): `separate` (every process on GPUs of its own),
+    `colocate` (engines and scorers on the learner's GPUs, with memory shares: OpenRLHF's
+    --colocate_all_models), `colocate_scorers` (scorers on the learner's GPUs: --colocate_actor_ref,
+    --colocate_critic_reward), `auto` (separate when the GPUs suffice, else the next that fits)."""
+    model_params_b: float = Field(0.0, ge=0)
+    """The policy's size in billions of parameters, for the memory check when its folder is not on
+    this machine (0: read from the folder; unknown: the check is skipped, and the plan says so)."""
+
     curve: CurveMode = "auto"
     """CurveZMQ on every socket of the run (common/curve.py; sets buffer.curve and weight_sync.curve):
     `auto` = on exactly when the buffer or the weight-sync service binds anything but loopback,
@@ -130,8 +145,10 @@ class Run:
         return ""
 
 
-def load_run_config(path: str | Path | None, argv: Sequence[str] = ()) -> Run:
-    """Read the YAML file, apply overrides and aliases, tie the sections together and check them."""
+def load_run_config(path: str | Path | None, argv: Sequence[str] = (), paths: bool = True) -> Run:
+    """Read the YAML file, apply overrides and aliases, tie the sections together and check them
+    (`paths` False: all but the existence of the model and prompt paths, as `--plan` does for a
+    run meant for another machine)."""
     classes = section_classes()
     tree = read_yaml(path)
     for name in tree:
@@ -140,11 +157,11 @@ def load_run_config(path: str | Path | None, argv: Sequence[str] = ()) -> Run:
     extra = apply_flags(tree, argv, classes, ALIASES)
     built = {name: build(cls, tree.get(name), name) for name, cls in classes.items()}
     run = Run(**built, extra=extra, explicit=tree)
-    finish(run, explicit=tree)
+    finish(run, explicit=tree, paths=paths)
     return run
 
 
-def finish(run: Run, explicit: dict | None = None) -> None:
+def finish(run: Run, explicit: dict | None = None, paths: bool = True) -> None:
     """Tie the sections together (addresses, policy, run folder) and run every cross-field check.
 
     Idempotent: each derived value is computed from keys `finish` never writes (the aliases in
@@ -223,7 +240,7 @@ def finish(run: Run, explicit: dict | None = None) -> None:
             errors.append(str(e))
     if not l.model_path:
         errors.append("no policy: set learner.model_path (or --pretrain)")
-    elif not Path(l.model_path).is_dir():
+    elif paths and not Path(l.model_path).is_dir():
         errors.append(f"learner.model_path={l.model_path!r} is not a folder")
     if ev.every and not ev.dataset:
         errors.append(f"eval.every={ev.every} needs eval.dataset (the prompts to evaluate on)")
@@ -242,7 +259,7 @@ def finish(run: Run, explicit: dict | None = None) -> None:
                           f"{r.learner_ranks} ranks), fewer than learner.num_mini_batches x "
                           f"gradient_accumulation_steps = {need}")
     datasets = [p.strip() for p in b.prompts.split(",") if p.strip()]  # files or dataset folders
-    for p in datasets:
+    for p in datasets if paths else ():
         if not Path(p).exists():
             errors.append(f"buffer.prompts: {p!r} is neither a file nor a folder (buffer.prompts={b.prompts!r})")
     if not datasets:

@@ -1,0 +1,621 @@
+"""The device plan: which GPUs each role process gets, what share of their memory, and whether it fits.
+
+Decided once per run, before any role starts, by both launchers (`launch.local`, `launch.ray`),
+and printed by `--plan`. Everything here is plain arithmetic on the run config and the list of
+GPUs (no CUDA call), so every layout is tested on a CPU machine:
+
+    GPUs   run.gpus (a list of device indices), else $CONVEYOR_FAKE_GPUS ("8", "2x8", "8:141": N GPUs
+           of G GiB on each of K nodes, for planning on a machine without them), else nvidia-smi
+           (no CUDA initialisation); none found: every role runs on the CPU, nothing is planned
+    roles  learner ranks (1 device each), generators (generator.tensor_parallel_size adjacent
+           devices each, on one node; vLLM engines only), scorers (1 device when scorer.device
+           is cuda); the buffer and the weight-sync service get no device (CUDA_VISIBLE_DEVICES="")
+    layout run.placement:
+             separate   every process on devices of its own (vLLM takes generator.gpu_memory_utilization
+                        of each, 0.9 by default)
+             colocate   the engines and the scorers share the learner's devices (OpenRLHF's
+                        --colocate_all_models); each engine's gpu_memory_utilization is what the
+                        learner and the scorers leave (or the one given, checked)
+             colocate_scorers   engines on devices of their own, scorers on the learner's
+                        (OpenRLHF's --colocate_actor_ref / --colocate_critic_reward)
+             auto       separate when the devices suffice, else colocate_scorers, else colocate
+    memory per device, estimated from each model folder (parameter count from its safetensors
+           headers, else config.json; run.model_params_b when the folder is not on this machine):
+             learner rank   ZeRO/Adam: weights (dtype) + gradients (dtype) + Adam (fp32 master when
+                            not fp32, m, v), each divided by the ranks from the ZeRO stage that
+                            shards it; LoRA: the frozen weights only; a critic the same again;
+                            rank 0 also the weight-sync device slot when generators share its node
+                            (weight_sync.same_host=broadcast drops it); plus ACTIVATION_GB + CONTEXT_GB
+             engine         its share of the device (vLLM pre-allocates it), which must hold the
+                            weights / TP, one max_model_len sequence of KV cache and ACTIVATION_GB;
+                            the weight round's receive area (2 x weight_sync.bucket_mb) and a CUDA
+                            context come on top of the share
+             scorer         reward model + reference model (scorer.dtype) + ACTIVATION_GB + CONTEXT_GB
+           A device whose processes need more than USABLE of it is refused with the numbers and the
+           knob to turn (launch exits 2, the config error code).
+
+Each role process gets its devices as CUDA_VISIBLE_DEVICES (the plan's indices mapped through the
+launcher's own CUDA_VISIBLE_DEVICES), an engine its gpu_memory_utilization as a config override,
+the learner and a shared-device scorer `CONVEYOR_CUDA_MEMORY_FRACTION` (applied with
+`torch.cuda.set_per_process_memory_fraction`, so a role over its budget fails itself rather than
+its neighbour). Roles that share a device start one after another, each once the previous is
+ready: vLLM measures its own use of the device at start-up from the device's free memory, which
+another process allocating or freeing meanwhile would falsify.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import struct
+import subprocess
+from dataclasses import dataclass, field
+from pathlib import Path
+
+FAKE_ENV = "CONVEYOR_FAKE_GPUS"
+FRACTION_ENV = "CONVEYOR_CUDA_MEMORY_FRACTION"
+FAKE_GPU_GB = 80.0  # a fake GPU's memory unless "N:GiB" says otherwise
+GIB = float(1 << 30)
+CONTEXT_GB = 0.75  # a CUDA context and the libraries' workspaces, per process and device (outside torch's allocator)
+ACTIVATION_GB = 2.0  # activations and temporaries of a forward/backward (gradient checkpointing on for big models)
+USABLE = 0.95  # of a device's memory, what the plan hands out (the rest: fragmentation, NCCL's buffers)
+ENGINE_DEFAULT = 0.9  # vLLM's own default gpu_memory_utilization, for an engine with a device to itself
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "F32": 4, "BF16": 2, "F16": 2, "F64": 8, "I64": 8,
+               "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1}
+PLACEMENTS = ("auto", "separate", "colocate", "colocate_scorers")
+
+
+class PlanError(ValueError):
+    """The layout cannot work (too few devices, or a device over its memory); the message has the
+    numbers and the knob to turn."""
+
+
+@dataclass(frozen=True)
+class Gpu:
+    index: str  # the id CUDA_VISIBLE_DEVICES takes on its node ("0", "3", or a UUID)
+    memory_gb: float
+    name: str = ""
+
+
+@dataclass
+class Node:
+    name: str
+    gpus: list[Gpu]
+
+
+# ---- model sizes ------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ModelSize:
+    params: int  # parameter count
+    layers: int = 0
+    kv_bytes_per_token: int = 0  # K and V of every layer for one token, at 2 bytes an element
+    source: str = ""  # where the numbers came from
+
+
+def _safetensors_params(folder: Path) -> int | None:
+    """Parameters in a folder's safetensors files, from their headers alone (no tensor is read)."""
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        return None
+    total = 0
+    for f in files:
+        with open(f, "rb") as fh:
+            (n,) = struct.unpack("<Q", fh.read(8))
+            header = json.loads(fh.read(n))
+        for name, meta in header.items():
+            if name != "__metadata__":
+                total += math.prod(meta.get("shape", [])) if meta.get("shape") else 1
+    return total
+
+
+def params_from_config(cfg: dict) -> int:
+    """A decoder's parameter count from its config.json (Llama, Qwen, Mistral and their MoE kin):
+    embeddings, attention, (gated) MLP or routed experts, norms, the LM head unless tied."""
+    cfg = cfg.get("text_config", cfg)  # a vision-language model: its language model
+    h, n_layers, vocab = cfg["hidden_size"], cfg["num_hidden_layers"], cfg["vocab_size"]
+    heads = cfg.get("num_attention_heads", 1)
+    kv = cfg.get("num_key_value_heads") or heads
+    hd = cfg.get("head_dim") or h // heads
+    attn = h * heads * hd * 2 + h * kv * hd * 2  # q, o; k, v
+    experts = cfg.get("num_local_experts") or cfg.get("num_experts") or cfg.get("n_routed_experts") or 0
+    inter = cfg.get("intermediate_size", 4 * h)
+    if experts:
+        moe_inter = cfg.get("moe_intermediate_size") or inter
+        shared = cfg.get("shared_expert_intermediate_size") or (cfg.get("n_shared_experts") or 0) * moe_inter
+        mlp = experts * 3 * h * moe_inter + h * experts + 3 * h * shared
+    else:
+        mlp = 3 * h * inter
+    per_layer = attn + mlp + 2 * h
+    head = 0 if cfg.get("tie_word_embeddings", False) else vocab * h
+    return vocab * h + n_layers * per_layer + h + head
+
+
+def model_size(folder: str, params_b: float = 0.0) -> ModelSize | None:
+    """The size of the model in `folder`; `params_b` (billions) when given wins. None when neither
+    the folder nor `params_b` tells (the memory check is then skipped, and the plan says so)."""
+    path = Path(folder) if folder else None
+    cfg = {}
+    if path is not None and (path / "config.json").is_file():
+        cfg = json.loads((path / "config.json").read_text())
+    text = cfg.get("text_config", cfg)
+    layers = int(text.get("num_hidden_layers", 0) or 0)
+    kv_per_token = 0
+    if layers:
+        heads = text.get("num_attention_heads", 1)
+        kv = text.get("num_key_value_heads") or heads
+        hd = text.get("head_dim") or text["hidden_size"] // heads
+        kv_per_token = 2 * layers * kv * hd * 2
+    if params_b:
+        return ModelSize(int(params_b * 1e9), layers, kv_per_token, "run.model_params_b")
+    if path is None or not path.is_dir():
+        return None
+    n = _safetensors_params(path)
+    if n:
+        return ModelSize(n, layers, kv_per_token, "safetensors headers")
+    if cfg:
+        try:
+            return ModelSize(params_from_config(cfg), layers, kv_per_token, "config.json")
+        except KeyError:
+            return None
+    return None
+
+
+# ---- finding the GPUs ---------------------------------------------------------------------------
+
+
+def parse_fake(spec: str) -> list[Node]:
+    """$CONVEYOR_FAKE_GPUS: "8" (one node of 8), "2x8" (2 nodes of 8), "8:141" (141 GiB each)."""
+    text, _, mem = spec.strip().partition(":")
+    nodes, _, per = text.rpartition("x")
+    try:
+        n_nodes, n_gpus = int(nodes or 1), int(per)
+        gb = float(mem) if mem else FAKE_GPU_GB
+    except ValueError:
+        raise PlanError(f"{FAKE_ENV}={spec!r}: expected N, KxN or N:GiB (e.g. 8, 2x8, 8:141)") from None
+    if n_nodes < 1 or n_gpus < 0 or gb <= 0:
+        raise PlanError(f"{FAKE_ENV}={spec!r}: counts must be positive")
+    return [Node(f"node{k}", [Gpu(str(i), gb, "fake") for i in range(n_gpus)]) for k in range(n_nodes)]
+
+
+def nvidia_smi() -> list[Gpu]:
+    """This machine's GPUs as nvidia-smi lists them (NVML: no CUDA context is made), or []."""
+    if not shutil.which("nvidia-smi"):
+        return []
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=index,memory.total,name", "--format=csv,noheader,nounits"],
+                             capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        return []
+    if out.returncode:
+        return []
+    gpus = []
+    for line in out.stdout.strip().splitlines():
+        parts = [p.strip() for p in line.split(",")]
+        if len(parts) >= 3 and parts[0].isdigit():
+            gpus.append(Gpu(parts[0], float(parts[1]) / 1024, parts[2]))
+    return gpus
+
+
+def local_gpus(gpus: str = "auto", memory_gb: float = 0.0, environ=None) -> list[Node]:
+    """This machine's GPUs for a run (`run.gpus`: `auto`, `none` or a list such as "0,1,2,3"), as
+    one node; `memory_gb` overrides what each reports (0: as found)."""
+    environ = os.environ if environ is None else environ
+    fake = environ.get(FAKE_ENV, "").strip()
+    if gpus.strip() == "none":
+        return [Node("local", [])]
+    if fake:
+        found = parse_fake(fake)[0].gpus
+    else:
+        found = nvidia_smi()
+    by_index = {g.index: g for g in found}
+    if gpus.strip() not in ("", "auto"):
+        wanted = [x.strip() for x in gpus.split(",") if x.strip()]
+        chosen = [by_index.get(i, Gpu(i, memory_gb or 0.0)) for i in wanted]
+    else:
+        chosen = found
+    if memory_gb:
+        chosen = [Gpu(g.index, memory_gb, g.name) for g in chosen]
+    return [Node("local", chosen)]
+
+
+def visible_ids(indices: list[str], environ=None) -> str:
+    """CUDA_VISIBLE_DEVICES for a role that gets node devices `indices` (nvidia-smi's numbering),
+    as seen through the launcher's own CUDA_VISIBLE_DEVICES, when it sets one: a role of a
+    launcher restricted to "4,5,6,7" given the plan's "0" gets "4"... unless the plan already
+    names devices from that list (run.gpus), which are passed as they are."""
+    environ = os.environ if environ is None else environ
+    outer = [x.strip() for x in environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if x.strip()]
+    if not outer or environ.get(FAKE_ENV):
+        return ",".join(indices)
+    if all(i in outer for i in indices):
+        return ",".join(indices)
+    return ",".join(outer[int(i)] if i.isdigit() and int(i) < len(outer) else i for i in indices)
+
+
+# ---- the plan -----------------------------------------------------------------------------------
+
+
+@dataclass
+class Placement:
+    """One role process's devices, its share of each and its estimated use of each (GiB)."""
+
+    role: str  # generator-0, scorer-1, learner-3 (launch.local runs every rank in one process, `learner`)
+    kind: str  # generator | scorer | learner
+    node: int = 0
+    devices: list[str] = field(default_factory=list)  # node-local device ids; [] = CPU
+    share: float = 0.0  # of each device's memory: vLLM's gpu_memory_utilization; the learner's cap
+    need_gb: float = 0.0  # estimated use per device
+    parts: str = ""  # what need_gb is made of, for the table
+    after: str = ""  # a role on one of the same devices that must be ready before this one starts
+
+
+@dataclass
+class DevicePlan:
+    layout: str  # cpu | separate | colocate | colocate_scorers
+    nodes: list[Node]
+    placements: list[Placement]
+    notes: list[str] = field(default_factory=list)
+    memory_checked: bool = True
+
+    def of(self, role: str) -> Placement | None:
+        """Role process `role`'s placement; `learner` (launch.local's one process of every rank)
+        is the ranks' devices in rank order, with the smallest of their caps."""
+        if role == "learner":
+            ranks = [p for p in self.placements if p.kind == "learner"]
+            if not ranks:
+                return None
+            caps = [p.share for p in ranks if p.share]
+            return Placement("learner", "learner", ranks[0].node, [dv for p in ranks for dv in p.devices],
+                             min(caps) if caps else 0.0, max(p.need_gb for p in ranks), ranks[0].parts,
+                             next((p.after for p in ranks if p.after), ""))
+        return next((p for p in self.placements if p.role == role), None)
+
+    def device_load(self) -> dict[tuple[int, str], list[Placement]]:
+        out: dict[tuple[int, str], list[Placement]] = {}
+        for p in self.placements:
+            for d in p.devices:
+                out.setdefault((p.node, d), []).append(p)
+        return out
+
+    def env(self, role: str, environ=None) -> dict[str, str]:
+        """What role process `role` gets in its environment (CUDA_VISIBLE_DEVICES and its share)."""
+        if self.layout == "cpu":
+            return {}
+        p = self.of(role)
+        if p is None or not p.devices:
+            return {"CUDA_VISIBLE_DEVICES": ""}  # the services, a CPU scorer: no device at all
+        env = {"CUDA_VISIBLE_DEVICES": visible_ids(p.devices, environ)}
+        if p.kind in ("learner", "scorer") and p.share and p.share < 1.0:
+            env[FRACTION_ENV] = f"{p.share:.3f}"
+        return env
+
+    def waited(self) -> set[str]:
+        """Roles the next role must wait for: each is followed by one that shares a device with it."""
+        return {p.after for p in self.placements if p.after}
+
+    def overrides(self, role: str) -> list[str]:
+        """Config flags for the role's command line (an engine's gpu_memory_utilization)."""
+        p = self.of(role)
+        if self.layout == "cpu" or p is None or p.kind != "generator" or not p.share:
+            return []
+        return ["--generator.gpu_memory_utilization", f"{p.share:.3f}"]
+
+    def table(self) -> str:
+        """The plan as text: one line per device (who is on it, shares, estimated GiB), then notes."""
+        if self.layout == "cpu":
+            return "device plan: no GPU (every role on the CPU)\n" + "".join(f"  note: {n}\n" for n in self.notes)
+        n_gpus = sum(len(n.gpus) for n in self.nodes)
+        used = self.device_load()
+        lines = [f"device plan: {self.layout}, {len(used)} of {n_gpus} GPU(s) on {len(self.nodes)} node(s)"
+                 + ("" if self.memory_checked else " (memory not checked: see notes)")]
+        lines.append(f"  {'node':<8} {'gpu':<4} {'GiB':>6}  {'use GiB':>8}  processes (share of the device, estimated GiB)")
+        for k, node in enumerate(self.nodes):
+            for g in node.gpus:
+                on = used.get((k, g.index), [])
+                if not on:
+                    continue
+                use = sum(p.need_gb for p in on)
+                who = ", ".join(f"{p.role} ({p.share:.2f}, {p.need_gb:.1f})" if p.share
+                                else f"{p.role} ({p.need_gb:.1f})" for p in on)
+                lines.append(f"  {node.name:<8} {g.index:<4} {g.memory_gb:>6.1f}  {use:>8.1f}  {who}")
+        lines.append("  roles:")
+        for p in self.placements:
+            where = f"node {self.nodes[p.node].name} gpu {','.join(p.devices)}" if p.devices else "cpu"
+            extra = f"; starts after {p.after} is ready" if p.after else ""
+            lines.append(f"    {p.role:<13} {where:<24} {p.parts}{extra}")
+        lines += [f"  note: {n}" for n in self.notes]
+        return "\n".join(lines) + "\n"
+
+
+@dataclass(frozen=True)
+class Demand:
+    """What a run asks for, read off its config (kept apart so tests can state it directly)."""
+
+    learner_ranks: int
+    generators: int
+    tp: int
+    gpu_scorers: int
+    vllm: bool = True
+    engine_share: float = 0.0  # generator.gpu_memory_utilization; 0 = decide
+    learner_gb: tuple[float, ...] = ()  # per rank, estimated
+    learner_parts: str = ""
+    slot_gb: float = 0.0  # rank 0's weight-sync device slot, when generators share its node
+    engine_need_gb: float = 0.0  # what an engine's share must hold (per device)
+    engine_parts: str = ""
+    engine_extra_gb: float = 0.0  # outside the share: receive area, context
+    scorer_gb: float = 0.0
+    scorer_parts: str = ""
+    checked: bool = True
+
+
+def learner_gb(size: ModelSize, ranks: int, zero: int, dtype: str, lora: bool) -> tuple[float, str]:
+    """One learner rank's model, gradients and optimizer state in GiB, and how it was counted.
+
+    Mixed precision Adam holds weights (2 B) + gradients (2 B) + fp32 master, m and v (12 B) per
+    parameter, 16 B in all (fp32 training: 4 + 4 + 8, also 16); ZeRO-1 shards the optimizer state
+    over the ranks, ZeRO-2 the gradients too, ZeRO-3 the weights too. LoRA trains a few adapters:
+    the frozen weights alone count."""
+    w = DTYPE_BYTES[dtype]
+    opt = 8 + (4 if w != 4 else 0)
+    p = size.params
+    weights = p * w / (ranks if zero >= 3 else 1)
+    if lora:
+        return weights / GIB, f"weights {weights / GIB:.1f} (LoRA: adapters only trained)"
+    grads = p * w / (ranks if zero >= 2 else 1)
+    state = p * opt / (ranks if zero >= 1 else 1)
+    total = weights + grads + state
+    return total / GIB, (f"weights {weights / GIB:.1f} + grads {grads / GIB:.1f} + Adam {state / GIB:.1f} "
+                         f"(ZeRO-{zero}, {ranks} rank(s))")
+
+
+def demand_of(run) -> Demand:
+    """The run's demand: process counts from `run:`, sizes from the model folders."""
+    r, g, s, l, w = run.run, run.generator, run.scorer, run.learner, run.weight_sync
+    vllm = g.engine == "vllm"
+    gpu_scorers = r.num_scorers if str(s.device).startswith("cuda") else 0
+    policy = model_size(l.model_path, r.model_params_b)
+    checked = policy is not None
+    lgb, lparts = (0.0, "size unknown")
+    slot = 0.0
+    if policy is not None:
+        lgb, lparts = learner_gb(policy, r.learner_ranks, l.zero_stage, l.dtype, bool(l.lora_rank))
+        if l.critic_path:
+            critic = model_size(l.critic_path) or policy
+            cgb, _ = learner_gb(critic, r.learner_ranks, l.zero_stage, l.dtype, False)
+            lgb += cgb
+            lparts += f" + critic {cgb:.1f}"
+        if w.same_host != "broadcast" and not l.lora_rank:
+            slot = policy.params * DTYPE_BYTES[l.dtype] / GIB
+    base = lgb + ACTIVATION_GB + CONTEXT_GB
+    lparts += f" + activations {ACTIVATION_GB:.1f} + context {CONTEXT_GB:.2f}"
+    per_rank = tuple(base for _ in range(r.learner_ranks))
+    engine_need = engine_extra = 0.0
+    eparts = ""
+    if policy is not None and vllm:
+        tp = g.tensor_parallel_size
+        weights = policy.params * DTYPE_BYTES[g.dtype] / tp / GIB
+        max_len = g.max_model_len or g.prompt_max_len + g.max_new_tokens
+        kv = policy.kv_bytes_per_token * max_len / tp / GIB
+        engine_need = weights + kv + ACTIVATION_GB
+        eparts = f"weights {weights:.1f} + one {max_len}-token sequence's KV {kv:.2f} + activations {ACTIVATION_GB:.1f}"
+        engine_extra = 2 * w.bucket_mb / 1024 + CONTEXT_GB
+    scorer = 0.0
+    sparts = ""
+    if gpu_scorers:
+        for kind, folder in (("reward model", s.reward_model), ("reference", s.reference)):
+            if folder:
+                size = model_size(folder, r.model_params_b if folder == l.model_path else 0.0)
+                if size is None:
+                    checked = False
+                    continue
+                gb = size.params * DTYPE_BYTES[s.dtype] / GIB
+                scorer += gb
+                sparts += f"{kind} {gb:.1f} + "
+        scorer += ACTIVATION_GB + CONTEXT_GB
+        sparts += f"activations {ACTIVATION_GB:.1f} + context {CONTEXT_GB:.2f}"
+    return Demand(r.learner_ranks, r.num_generators, g.tensor_parallel_size if vllm else 1, gpu_scorers, vllm,
+                  g.gpu_memory_utilization, per_rank, lparts, slot, engine_need, eparts, engine_extra,
+                  scorer, sparts, checked)
+
+
+def _devices(nodes: list[Node]) -> list[tuple[int, Gpu]]:
+    return [(k, g) for k, n in enumerate(nodes) for g in n.gpus]
+
+
+def _tp_block(nodes: list[Node], taken: set, tp: int) -> tuple[int, list[Gpu]] | None:
+    """The first `tp` adjacent free devices on one node, starting at a multiple of `tp` (NVLink
+    pairs and quads are aligned that way)."""
+    for k, n in enumerate(nodes):
+        for start in range(0, len(n.gpus) - tp + 1, tp):
+            block = n.gpus[start:start + tp]
+            if all((k, g.index) not in taken for g in block):
+                return k, block
+    return None
+
+
+def _need_count(d: Demand, layout: str) -> int:
+    if layout == "separate":
+        return d.learner_ranks + d.generators * d.tp + d.gpu_scorers
+    if layout == "colocate_scorers":
+        return d.learner_ranks + d.generators * d.tp
+    return max(d.learner_ranks, d.tp)
+
+
+def make_plan(d: Demand, nodes: list[Node], placement: str = "auto") -> DevicePlan:
+    """Lay the demand `d` out on `nodes` (see the module docstring); raises `PlanError` when it
+    cannot fit, with the numbers and the knob."""
+    if placement not in PLACEMENTS:
+        raise PlanError(f"run.placement={placement!r} must be one of {', '.join(PLACEMENTS)}")
+    n_gpus = sum(len(n.gpus) for n in nodes)
+    if n_gpus == 0:
+        return DevicePlan("cpu", nodes, [], notes=[] if not d.gpu_scorers else
+                          ["scorer.device is cuda but no GPU was found: the scorers will fail to start"])
+    if d.vllm is False and d.generators and d.tp > 1:
+        raise PlanError("generator.tensor_parallel_size > 1 needs generator.engine=vllm")
+    layout = placement
+    if layout == "auto":
+        layout = next((lay for lay in ("separate", "colocate_scorers", "colocate")
+                       if _need_count(d, lay) <= n_gpus and (lay != "colocate_scorers" or d.gpu_scorers)),
+                      "colocate")
+    need = _need_count(d, layout)
+    if need > n_gpus:
+        raise PlanError(
+            f"run.placement={layout}: {d.learner_ranks} learner rank(s) + {d.generators} generator(s) x "
+            f"tensor_parallel_size {d.tp} + {d.gpu_scorers} GPU scorer(s) need {need} GPU(s); "
+            f"{n_gpus} found. Turn: run.placement colocate (engines and scorers share the learner's GPUs), "
+            f"fewer run.num_generators or run.learner_ranks, or scorer.device cpu")
+    if max(len(n.gpus) for n in nodes) < d.tp:
+        raise PlanError(f"generator.tensor_parallel_size={d.tp}: no node has that many GPUs "
+                        f"({', '.join(f'{n.name}: {len(n.gpus)}' for n in nodes)})")
+    taken: set = set()
+    placements: list[Placement] = []
+    devs = _devices(nodes)
+    # learner ranks first, packed (a rank per device, the first nodes first): NCCL's fastest links
+    learner_devs = devs[:d.learner_ranks]
+    for rank, (k, g) in enumerate(learner_devs):
+        placements.append(Placement(f"learner-{rank}", "learner", k, [g.index],
+                                    need_gb=d.learner_gb[rank] if d.learner_gb else 0.0, parts=d.learner_parts))
+    taken |= {(k, g.index) for k, g in learner_devs}
+    learner0 = placements[0]
+    if d.slot_gb and d.generators:
+        learner0.need_gb += d.slot_gb  # (ranks > 0 share the figure: rank 0's is the largest)
+        learner0.parts += f" + weight-sync slot {d.slot_gb:.1f} on rank 0 (weight_sync.same_host broadcast: none)"
+    # engines: blocks of their own, or cycling over the learner's devices
+    gens: list[Placement] = []
+    for i in range(d.generators):
+        if not d.vllm:
+            gens.append(Placement(f"generator-{i}", "generator"))
+            continue
+        if layout in ("separate", "colocate_scorers"):
+            found = _tp_block(nodes, taken, d.tp)
+            if found is None:
+                raise PlanError(f"generator-{i}: no {d.tp} adjacent free GPUs left on one node for its engine "
+                                f"(generator.tensor_parallel_size={d.tp}); turn: run.placement colocate, or fewer "
+                                f"run.num_generators")
+            k, block = found
+        else:
+            pool = _pool(nodes, learner_devs, d.tp)
+            k, block = pool[i % len(pool)]
+        taken |= {(k, g.index) for g in block}
+        gens.append(Placement(f"generator-{i}", "generator", k, [g.index for g in block], need_gb=d.engine_need_gb,
+                              parts=d.engine_parts))
+    scorers: list[Placement] = []
+    for i in range(d.gpu_scorers):
+        if layout == "separate":
+            k, g = next((k, g) for k, g in devs if (k, g.index) not in taken)
+            taken.add((k, g.index))
+        else:
+            k, g = learner_devs[i % len(learner_devs)]
+        scorers.append(Placement(f"scorer-{i}", "scorer", k, [g.index], need_gb=d.scorer_gb, parts=d.scorer_parts))
+    # start order on a shared device: scorers (they load and keep their models), engines, the learner
+    placements = scorers + gens + placements
+    plan = DevicePlan(layout, nodes, placements, memory_checked=d.checked)
+    _shares(plan, d)
+    _order(plan)
+    if not d.checked:
+        plan.notes.append("a model folder is not on this machine: devices assigned, memory not checked "
+                          "(give run.model_params_b to check it)")
+    return plan
+
+
+def _pool(nodes: list[Node], learner_devs: list, tp: int) -> list[tuple[int, list[Gpu]]]:
+    """Colocated engines' blocks: tp-aligned blocks of the learner's devices (at least one block)."""
+    by_node: dict[int, list[Gpu]] = {}
+    for k, g in learner_devs:
+        by_node.setdefault(k, []).append(g)
+    blocks = []
+    for k, gs in by_node.items():
+        node_gpus = nodes[k].gpus
+        first = node_gpus.index(gs[0])
+        span = max(len(gs), tp)
+        span = (span + tp - 1) // tp * tp
+        use = node_gpus[first:first + span]
+        if len(use) < span:  # (the learner's last devices at the end of a node)
+            use = node_gpus[max(0, len(node_gpus) - span):]
+        blocks += [(k, use[j:j + tp]) for j in range(0, len(use) - tp + 1, tp)]
+    return blocks
+
+
+def _memory(plan: DevicePlan, k: int, index: str) -> float:
+    return next(g.memory_gb for g in plan.nodes[k].gpus if g.index == index)
+
+
+def _shares(plan: DevicePlan, d: Demand) -> None:
+    """Each engine's gpu_memory_utilization, the learner's and scorers' caps; refuse what cannot fit."""
+    load = plan.device_load()
+    problems = []
+    engine_shares: dict[str, float] = {}
+    for (k, index), on in sorted(load.items()):
+        mem = _memory(plan, k, index)
+        engines = [p for p in on if p.kind == "generator"]
+        others = [p for p in on if p.kind != "generator"]
+        fixed = sum(p.need_gb for p in others) + len(engines) * d.engine_extra_gb
+        if engines:
+            if d.engine_share:
+                share = d.engine_share
+            elif not others and len(engines) == 1:
+                share = ENGINE_DEFAULT
+            elif not plan.memory_checked:  # sizes unknown: an even split of the device
+                share = math.floor(USABLE / len(on) * 100) / 100
+            else:  # what the others leave, split between the engines on the device
+                share = math.floor((mem * USABLE - fixed) / len(engines) / mem * 100) / 100
+            for p in engines:
+                engine_shares[p.role] = min(engine_shares.get(p.role, 1.0), share)
+            if plan.memory_checked and share * mem < d.engine_need_gb:
+                problems.append(
+                    f"gpu {index} of {plan.nodes[k].name} ({mem:.0f} GiB): {len(engines)} engine(s) at "
+                    f"gpu_memory_utilization {share:.2f} get {share * mem:.1f} GiB each, an engine needs "
+                    f"{d.engine_need_gb:.1f} ({d.engine_parts}) beside {fixed:.1f} GiB of "
+                    f"{', '.join(p.role for p in others) or 'receive areas'}")
+            fixed += len(engines) * share * mem
+        if plan.memory_checked and fixed > mem * USABLE + 1e-6:
+            problems.append(
+                f"gpu {index} of {plan.nodes[k].name} ({mem:.0f} GiB): needs {fixed:.1f} GiB "
+                f"({'; '.join(f'{p.role}: {p.need_gb:.1f}' for p in others)}"
+                f"{'; engines: ' + ', '.join(p.role for p in engines) if engines else ''}), "
+                f"over the {USABLE:.0%} the plan hands out")
+    for p in plan.placements:
+        if p.kind == "generator" and p.role in engine_shares:
+            p.share = engine_shares[p.role]
+    # the learner and shared scorers: a cap, what the engines on their devices leave
+    for p in plan.placements:
+        if p.kind == "generator" or not p.devices:
+            continue
+        caps = []
+        for index in p.devices:
+            on = load[(p.node, index)]
+            if len(on) == 1:
+                continue
+            mem = _memory(plan, p.node, index)
+            engines = sum(q.share * mem + d.engine_extra_gb for q in on if q.kind == "generator")
+            fellows = sum(q.need_gb for q in on if q.kind != "generator" and q is not p)
+            caps.append(max(0.0, (mem * USABLE - engines - fellows) / mem))
+        p.share = round(min(caps), 3) if caps else 0.0
+    if problems:
+        raise PlanError("the run does not fit its GPUs: " + "; ".join(problems) + ". Turn: run.placement separate "
+                        "(more GPUs), generator.gpu_memory_utilization, learner.zero_stage 3 with more "
+                        "learner ranks, learner.lora_rank, generator.max_model_len, or smaller models")
+
+
+def _order(plan: DevicePlan) -> None:
+    """A process that shares a device starts after the previous one there is ready (see the module
+    docstring): `after` names it."""
+    last_on: dict[tuple[int, str], str] = {}
+    for p in plan.placements:
+        before = [last_on[(p.node, dv)] for dv in p.devices if (p.node, dv) in last_on]
+        if before:
+            p.after = before[-1]
+        for dv in p.devices:
+            last_on[(p.node, dv)] = p.role
+
+
+def plan_run(run, nodes: list[Node] | None = None, environ=None) -> DevicePlan:
+    """The run's device plan on `nodes` (default: this machine's, from run.gpus / $CONVEYOR_FAKE_GPUS /
+    nvidia-smi). `PlanError` when it does not fit."""
+    if nodes is None:
+        nodes = local_gpus(run.run.gpus, run.run.gpu_memory_gb, environ)
+    return make_plan(demand_of(run), nodes, run.run.placement)
