@@ -50,11 +50,17 @@ def _vllm_kwargs(model: str, tokenizer: str, dtype: str, seed: int, tensor_paral
                  lora_rank: int = 0) -> dict[str, Any]:
     """Engine arguments shared by `LLM` and `AsyncLLM`: eager mode, processed log-probs, the worker
     extension that receives weights (when its module exists), LoRA for adapters up to `lora_rank`."""
-    import torch
-
     if not gpu_memory_utilization:
+        # Ask vLLM's own platform, never torch.cuda.is_available() before vllm is imported: without
+        # PYTORCH_NVML_BASED_CUDA_CHECK=1 that call initialises the CUDA driver (torch/cuda/__init__.py,
+        # is_available), a variable vLLM sets only on import (vllm/env_override.py), and vLLM forks
+        # its engine core unless torch.cuda.is_initialized() (vllm/utils/system_utils.py,
+        # _maybe_force_spawn): the forked core's CUDA cannot start. The platform probe uses NVML
+        # (vllm/platforms/__init__.py, cuda_platform_plugin) and leaves the driver alone.
+        from vllm.platforms import current_platform
+
         # On CPU this is the share of host memory for the KV cache (VLLM_CPU_KVCACHE_SPACE wins).
-        gpu_memory_utilization = 0.9 if torch.cuda.is_available() else 0.05
+        gpu_memory_utilization = 0.9 if current_platform.is_cuda_alike() else 0.05
     kwargs: dict[str, Any] = dict(
         model=model, tokenizer=tokenizer or model, dtype=dtype, seed=seed,
         tensor_parallel_size=tensor_parallel_size, enforce_eager=True,

@@ -15,6 +15,7 @@ Light on purpose: no torch, vllm or deepspeed here, so every `--help` answers at
 from __future__ import annotations
 
 import faulthandler
+import os
 import sys
 from typing import Any, Iterable, Mapping, Sequence
 
@@ -61,6 +62,12 @@ def role_main_config(cls: type[Section], section: str, argv: Sequence[str] | Non
     section unless its own section sets it."""
     argv = list(sys.argv[1:] if argv is None else argv)
     prog = prog or f"launch.{section}"
+    # Before torch is imported anywhere in this role: torch.cuda.is_available() then asks NVML
+    # instead of initialising the CUDA driver (torch/cuda/__init__.py, is_available), so a vLLM
+    # engine core that vLLM forks from this process can still start CUDA (vLLM forks unless
+    # torch.cuda.is_initialized(): vllm/utils/system_utils.py, _maybe_force_spawn). vLLM sets the
+    # same variable only when imported (vllm/env_override.py), which may be too late.
+    os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
     if wants_help(argv):
         print(render_help(doc, {section: cls}, own=section), end="")
         sys.exit(0)
