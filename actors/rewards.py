@@ -267,6 +267,9 @@ class RewardModel:
         import torch
         from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
+        from learner.modeling import apply_memory_share
+
+        apply_memory_share(device)  # (the device plan's share, where the scorer shares its GPU)
         self.model = AutoModelForSequenceClassification.from_pretrained(path, dtype=getattr(torch, dtype))
         self.model.to(device).eval()
         self.tokenizer = AutoTokenizer.from_pretrained(path)

@@ -260,6 +260,7 @@ class DevicePlan:
     placements: list[Placement]
     notes: list[str] = field(default_factory=list)
     memory_checked: bool = True
+    engine_extra_gb: float = 0.0  # what an engine uses beyond its share (receive area, CUDA context)
 
     def of(self, role: str) -> Placement | None:
         """Role process `role`'s placement; `learner` (launch.local's one process of every rank)
@@ -310,6 +311,9 @@ class DevicePlan:
             return "device plan: no GPU (every role on the CPU)\n" + "".join(f"  note: {n}\n" for n in self.notes)
         n_gpus = sum(len(n.gpus) for n in self.nodes)
         used = self.device_load()
+
+        def d_extra(p: Placement) -> float:
+            return self.engine_extra_gb
         lines = [f"device plan: {self.layout}, {len(used)} of {n_gpus} GPU(s) on {len(self.nodes)} node(s)"
                  + ("" if self.memory_checked else " (memory not checked: see notes)")]
         lines.append(f"  {'node':<8} {'gpu':<4} {'GiB':>6}  {'use GiB':>8}  processes (share of the device, estimated GiB)")
@@ -318,7 +322,7 @@ class DevicePlan:
                 on = used.get((k, g.index), [])
                 if not on:
                     continue
-                use = sum(p.need_gb for p in on)
+                use = sum(p.share * g.memory_gb + d_extra(p) if p.kind == "generator" else p.need_gb for p in on)
                 who = ", ".join(f"{p.role} ({p.share:.2f}, {p.need_gb:.1f})" if p.share
                                 else f"{p.role} ({p.need_gb:.1f})" for p in on)
                 lines.append(f"  {node.name:<8} {g.index:<4} {g.memory_gb:>6.1f}  {use:>8.1f}  {who}")
@@ -401,14 +405,16 @@ def demand_of(run) -> Demand:
         max_len = g.max_model_len or g.prompt_max_len + g.max_new_tokens
         kv = policy.kv_bytes_per_token * max_len / tp / GIB
         engine_need = weights + kv + ACTIVATION_GB
-        eparts = f"weights {weights:.1f} + one {max_len}-token sequence's KV {kv:.2f} + activations {ACTIVATION_GB:.1f}"
+        eparts = (f"weights {weights:.1f} + one {max_len}-token sequence's KV {kv:.2f} + activations {ACTIVATION_GB:.1f}"
+                  if policy.kv_bytes_per_token else f"weights {weights:.1f} + activations {ACTIVATION_GB:.1f} (KV: "
+                                                    f"layers unknown without the folder)")
         engine_extra = 2 * w.bucket_mb / 1024 + CONTEXT_GB
     scorer = 0.0
     sparts = ""
     if gpu_scorers:
         for kind, folder in (("reward model", s.reward_model), ("reference", s.reference)):
             if folder:
-                size = model_size(folder, r.model_params_b if folder == l.model_path else 0.0)
+                size = model_size(folder) or model_size(l.model_path, r.model_params_b)  # (absent: the policy's size)
                 if size is None:
                     checked = False
                     continue
@@ -462,6 +468,10 @@ def make_plan(d: Demand, nodes: list[Node], placement: str = "auto") -> DevicePl
                        if _need_count(d, lay) <= n_gpus and (lay != "colocate_scorers" or d.gpu_scorers)),
                       "colocate")
     need = _need_count(d, layout)
+    if need > n_gpus and layout == "colocate":
+        raise PlanError(f"run.placement=colocate: {d.learner_ranks} learner rank(s) need a GPU each, an engine "
+                        f"{d.tp} (generator.tensor_parallel_size); {n_gpus} found. Turn: fewer run.learner_ranks "
+                        f"or a smaller generator.tensor_parallel_size")
     if need > n_gpus:
         raise PlanError(
             f"run.placement={layout}: {d.learner_ranks} learner rank(s) + {d.generators} generator(s) x "
@@ -508,12 +518,12 @@ def make_plan(d: Demand, nodes: list[Node], placement: str = "auto") -> DevicePl
         if layout == "separate":
             k, g = next((k, g) for k, g in devs if (k, g.index) not in taken)
             taken.add((k, g.index))
-        else:
-            k, g = learner_devs[i % len(learner_devs)]
+        else:  # the learner's devices from the last: rank 0's holds the weight-sync slot too
+            k, g = learner_devs[-1 - i % len(learner_devs)]
         scorers.append(Placement(f"scorer-{i}", "scorer", k, [g.index], need_gb=d.scorer_gb, parts=d.scorer_parts))
     # start order on a shared device: scorers (they load and keep their models), engines, the learner
     placements = scorers + gens + placements
-    plan = DevicePlan(layout, nodes, placements, memory_checked=d.checked)
+    plan = DevicePlan(layout, nodes, placements, memory_checked=d.checked, engine_extra_gb=d.engine_extra_gb)
     _shares(plan, d)
     _order(plan)
     if not d.checked:
@@ -561,8 +571,11 @@ def _shares(plan: DevicePlan, d: Demand) -> None:
                 share = ENGINE_DEFAULT
             elif not plan.memory_checked:  # sizes unknown: an even split of the device
                 share = math.floor(USABLE / len(on) * 100) / 100
-            else:  # what the others leave, split between the engines on the device
-                share = math.floor((mem * USABLE - fixed) / len(engines) / mem * 100) / 100
+            else:  # each engine what it needs, and half of what is left over (the KV cache grows into
+                # it; the learner's and scorers' half makes room for bigger micro-batches)
+                spare = mem * USABLE - fixed - len(engines) * d.engine_need_gb
+                spare = spare / 2 if others else spare
+                share = math.floor((d.engine_need_gb + max(0.0, spare) / len(engines)) / mem * 100) / 100
             for p in engines:
                 engine_shares[p.role] = min(engine_shares.get(p.role, 1.0), share)
             if plan.memory_checked and share * mem < d.engine_need_gb:
@@ -592,9 +605,12 @@ def _shares(plan: DevicePlan, d: Demand) -> None:
                 continue
             mem = _memory(plan, p.node, index)
             engines = sum(q.share * mem + d.engine_extra_gb for q in on if q.kind == "generator")
-            fellows = sum(q.need_gb for q in on if q.kind != "generator" and q is not p)
-            caps.append(max(0.0, (mem * USABLE - engines - fellows) / mem))
-        p.share = round(min(caps), 3) if caps else 0.0
+            needs = sum(q.need_gb for q in on if q.kind != "generator")
+            spare = max(0.0, mem * USABLE - engines - needs)
+            # its need and its part of what is left, in proportion (an even split when sizes are unknown)
+            part = p.need_gb / needs if needs else 1 / sum(q.kind != "generator" for q in on)
+            caps.append((p.need_gb + spare * part) / mem)
+        p.share = math.floor(min(caps) * 1000) / 1000 if caps else 0.0
     if problems:
         raise PlanError("the run does not fit its GPUs: " + "; ".join(problems) + ". Turn: run.placement separate "
                         "(more GPUs), generator.gpu_memory_utilization, learner.zero_stage 3 with more "

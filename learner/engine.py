@@ -49,7 +49,11 @@ def init_distributed(cfg: LearnerConfig) -> tuple[int, int, torch.device]:
     if backend == "auto":
         backend = "nccl" if torch.cuda.is_available() else "gloo"
     if backend == "nccl":
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        from learner.modeling import apply_memory_share, cuda_index
+
+        index = cuda_index(int(os.environ.get("LOCAL_RANK", "0")), torch.cuda.device_count())
+        torch.cuda.set_device(index)
+        apply_memory_share(f"cuda:{index}")
     if not dist.is_initialized() and "RANK" not in os.environ and "OMPI_COMM_WORLD_RANK" not in os.environ:
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
     if dist.is_initialized() and dist.get_world_size() == 1 and "LOCAL_RANK" not in os.environ:

@@ -10,6 +10,7 @@ batch's sequences packed into rows without padding and hand the results back on 
 
 from __future__ import annotations
 
+import os
 from typing import Sequence
 
 import torch
@@ -18,10 +19,36 @@ import torch.nn.functional as F
 from learner.packing import PackedRows, pack_rows
 
 
+MEMORY_SHARE_ENV = "CONVEYOR_CUDA_MEMORY_FRACTION"  # set by the launcher's device plan (launch/devices.py)
+
+
+def cuda_index(local_rank: int, count: int) -> int:
+    """The CUDA device a rank takes: its local rank among the devices it sees, or the only one
+    (a launcher that gives each rank one device in CUDA_VISIBLE_DEVICES)."""
+    if count == 1:
+        return 0
+    if not 0 <= local_rank < count:
+        raise RuntimeError(f"LOCAL_RANK={local_rank} but this process sees {count} CUDA device(s) "
+                           f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')!r})")
+    return local_rank
+
+
+def apply_memory_share(device) -> float:
+    """Cap this process's use of CUDA `device` at the share the device plan gave it (when it
+    shares the device with a vLLM engine or a scorer): a role over its budget then fails itself,
+    with torch's out-of-memory error, instead of the neighbour whose memory it took. Returns the
+    share (0: none)."""
+    share = float(os.environ.get(MEMORY_SHARE_ENV, "0") or 0)
+    if share and str(device).startswith("cuda"):
+        torch.cuda.set_per_process_memory_fraction(min(share, 1.0), torch.device(device))
+    return share
+
+
 def load_causal_lm(path: str, dtype: str | torch.dtype = "float32", device: str = "cpu"):
     """Any `AutoModelForCausalLM` folder, in eval mode."""
     from transformers import AutoModelForCausalLM
 
+    apply_memory_share(device)
     if isinstance(dtype, str):
         dtype = getattr(torch, dtype)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
