@@ -220,9 +220,10 @@ def main(argv: list[str] | None = None) -> int:
     if any(a in ("-h", "--help") for a in argv):
         print(__doc__.strip())
         return 0
-    demo, overrides = split_demo_args(argv)
+    show_plan = "--plan" in argv
+    demo, overrides = split_demo_args([a for a in argv if a != "--plan"])
     from launch.config import ConfigError
-    from launch.local import EXIT_CODES, read_metrics, run_local
+    from launch.local import EXIT_CODES, device_plan, print_plan, read_metrics, run_local
     from launch.run_config import load_run_config
 
     task = TASKS[demo["task"]]
@@ -231,6 +232,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         probe = load_run_config(task["config"], [*overrides, "--learner.model_path", str(ROOT),
                                                  "--buffer.prompts", str(task["config"])])
+        if show_plan:  # (the tiny model is not built yet: its size is left unchecked)
+            return print_plan(probe, "launch.demo")
+        device_plan(probe)  # a layout that cannot fit is refused before the warm start
     except ConfigError as e:
         print(f"launch.demo: {e}", file=sys.stderr)
         return EXIT_CODES["config"]

@@ -408,6 +408,7 @@ def demand_of(run) -> Demand:
         eparts = (f"weights {weights:.1f} + one {max_len}-token sequence's KV {kv:.2f} + activations {ACTIVATION_GB:.1f}"
                   if policy.kv_bytes_per_token else f"weights {weights:.1f} + activations {ACTIVATION_GB:.1f} (KV: "
                                                     f"layers unknown without the folder)")
+    if vllm:  # the weight round's receive area and the engine's CUDA context, outside its share
         engine_extra = 2 * w.bucket_mb / 1024 + CONTEXT_GB
     scorer = 0.0
     sparts = ""
