@@ -20,7 +20,26 @@ received tensor goes, and `apply_plan` puts it there:
   not see that). Every such layer is processed again, so a tied LM head follows its embedding.
 
 `load_plan` returns None when a tensor has no such place (a sharded engine, a renamed or
-quantised parameter, another dtype), and the caller loads with `reload_weights` instead.
+quantised parameter, another dtype). A tensor-parallel engine is the common case: its parameters
+hold this rank's shard, not the received full tensor. Then the caller loads through vLLM:
+
+- on a CUDA worker of an unquantised engine, bucket by bucket with the model's own
+  `load_weights`: each parameter's `weight_loader` narrows the full tensor to this rank's shard
+  and copies it at once (vLLM 0.33 `model_executor/layers/linear.py`,
+  `ColumnParallelLinear.weight_loader` / `MergedColumnParallelLinear.weight_loader` /
+  `RowParallelLinear.weight_loader`: `loaded_weight.narrow(dim, tp_rank * shard, shard)` then
+  `param.data.copy_`; `vocab_parallel_embedding.py`, `VocabParallelEmbedding.weight_loader`: the
+  rows of this rank's vocabulary shard). Nothing is kept of the received tensor, so the receive
+  area can be reused for the next bucket; and `UnquantizedLinearMethod.process_weights_after_loading`
+  changes nothing on CUDA (it repacks on CPU, pads on ROCm), so there is nothing to redo after.
+- otherwise with `reload_weights` (vLLM 0.33 `model_executor/model_loader/reload/inplace.py`,
+  `reload_weights`, and `layerwise.py`): every layer's parameters go back to the meta device (its
+  kernel tensors kept aside), each weight the iterator yields is held (a reference, not a copy:
+  `online_process_loader` keeps the loader's arguments) until every element of its layer has
+  come, then the layer is materialised on the device in checkpoint format (this rank's shard
+  only), loaded, processed again and copied into the kept kernel tensors. Its own extra device
+  memory is the layers in progress, but it holds the caller's tensors until their layer is
+  complete, so its input must not be a receive area that the next bucket overwrites.
 """
 
 from __future__ import annotations
@@ -78,7 +97,7 @@ def load_plan(model, named: list, staging: dict | None = None) -> LoadPlan | Non
                 if target not in staging or tuple(staging[target].shape) != whole:
                     import torch
 
-                    staging[target] = torch.empty(whole, dtype=t.dtype, device=t.device)
+                    staging[target] = torch.empty(whole, dtype=t.dtype, device=dst.device)
                 rebind[owner_name] = (owner, staging[target])
                 dst = staging[target]
         if tuple(dst.shape) != whole:
@@ -118,6 +137,17 @@ def copy_plan(plan: LoadPlan, named: list) -> None:
             dst.copy_(t, non_blocking=True)
         if any(d.is_cuda for d in plan.dst):
             torch.cuda.synchronize()
+
+
+def copy_part(plan: LoadPlan, index: dict, named: list) -> None:
+    """The copies of `copy_plan` for some of the round's tensors (one received bucket): `index`
+    maps a name to its place in the round's order (the plan's). A plan made from the manifest
+    alone (meta tensors of the round's shapes and dtypes) places a streamed round this way."""
+    import torch
+
+    with torch.no_grad():
+        for name, t in named:
+            plan.dst[index[name]].copy_(t, non_blocking=True)
 
 
 def finish_plan(plan: LoadPlan) -> None:

@@ -78,12 +78,16 @@ class WorkerExtension:
     def receive_weights(self, round_info: dict, lora_folder: str = "") -> dict:
         """Receive a weight round and load it in place; returns stats (version, bytes, seconds).
 
-        A same-host round through shared memory is loaded straight out of the sender's slot
+        A same-host round through shared memory (or, for a CUDA worker, the sender's device slot
+        mapped by CUDA IPC) is loaded straight out of the sender's slot
         (`weight_sync.receiver.load_in_place`); `version` in the stats is the version loaded (newer
-        than the round's only when a torn load was repaired). An adapter round (`info.adapter`) is
+        than the round's only when a torn load was repaired). A CUDA worker receiving the NCCL
+        broadcast streams it bucket by bucket into the engine (`_receive_streamed`): its extra
+        device memory is two buckets, never the model. An adapter round (`info.adapter`) is
         written under `lora_folder` and loaded as the policy's adapter. Raises
         `weight_sync.receiver.RoundMissed` (through collective_rpc) when this generator was left
-        out of the round; the weights are then untouched.
+        out of the round; the weights are then untouched. Raises `WeightsDamaged` ("weights
+        damaged: ...") when a streamed round broke off after loading began: the generator stops.
         """
         from weight_sync.messages import round_info as checked
         from weight_sync.receiver import in_place, load_in_place, receive_named_tensors
@@ -97,11 +101,13 @@ class WorkerExtension:
             raise RuntimeError(f"round {info.round_id} carries a LoRA adapter (rank {info.adapter.r}) but this "
                                f"engine was started without LoRA: set generator.lora_rank")
         if in_place(info, device):
-            stats = load_in_place(info, self._load_named, local_rank)
+            stats = load_in_place(info, self._load_named, local_rank, device)
             self._after_full_load(lora_folder)
             return {**stats, "local_rank": local_rank, "load_path": self._conveyor_load_path}
+        if str(device).startswith("cuda") and info.adapter is None and info.backend != "disk":
+            return self._receive_streamed(info, local_rank, device, lora_folder)
         # host buffers are kept between rounds (one model copy of RAM; fresh pages cost as much as
-        # the transfer); device memory is not, so the KV cache keeps it
+        # the transfer); a device receives an adapter round (small) into fresh buffers
         buffers = None
         if str(device) == "cpu":
             buffers = self.__dict__.setdefault("_weight_sync_buffers", [])
@@ -140,6 +146,89 @@ class WorkerExtension:
         copy_plan(plan, named)
         self._conveyor_load_path = "repack" if plan.rebind else "direct"
         return lambda: finish_plan(plan)
+
+    def _receive_streamed(self, info, local_rank: int, device, lora_folder: str) -> dict:
+        """A broadcast round of full weights onto this CUDA worker, each bucket loaded as it
+        arrives (`weight_sync.receiver.receive_streaming`) through two receive areas of the largest
+        bucket, kept between rounds (`_weight_sync_areas`: the only device memory a round adds,
+        docs/weight_sync_memory.md). How a bucket is loaded: `_bucket_loader`."""
+        from weight_sync.receiver import receive_streaming
+
+        load, finish, path, stages = self._bucket_loader(info)
+        areas = self.__dict__.setdefault("_weight_sync_areas", [])
+        t0 = time.monotonic()
+        stats = receive_streaming(info, load, local_rank, device, areas, stages=stages)
+        t1 = time.monotonic()
+        if finish is not None:
+            finish()
+        self._conveyor_load_path = path
+        self._after_full_load(lora_folder)
+        # the loads ran inside the transfer (overlapped with it): load_s is what came after
+        stats.update(load_s=time.monotonic() - t1, stream_s=t1 - t0, load_path=path, version=info.version,
+                     local_rank=local_rank)
+        return stats
+
+    def _bucket_loader(self, info):
+        """(load, finish, path, stages) for a streamed round: `load(named)` takes one bucket's
+        (name, view) pairs, `finish()` (or None) runs once every bucket is in.
+
+        - "direct": the round's tensors have places in the model (`actors.vllm_load.load_plan`,
+          made from the manifest's shapes alone): each bucket is copied there.
+        - "load_weights": no such places (a tensor-parallel engine: its parameters hold shards),
+          unquantised weights: the model's own `load_weights`, bucket by bucket; each
+          parameter's `weight_loader` narrows the full tensor to this rank's shard and copies it
+          at once (see actors/vllm_load.py), so nothing of the area is kept.
+        - "staged": a quantised engine (its kernels read processed weights: only `reload_weights`
+          rebuilds them, and it holds its input until a layer is complete, which a reused area
+          cannot give it): each bucket goes to host buffers (one model copy of host memory, kept
+          between rounds, like the CPU path's) and `reload_weights` reads them once all are in.
+          The engine is untouched until then (`stages`: a broken round leaves it unchanged).
+        """
+        import torch
+
+        from actors.vllm_load import copy_part, load_plan
+        from weight_sync import buckets as bk
+
+        manifest = info.manifest
+        model = self.model_runner.get_model()
+        shapes = [(t.name, torch.empty(t.shape, dtype=bk.torch_dtype(t.dtype), device="meta"))
+                  for t in manifest.tensors]
+        plan = load_plan(model, shapes, None)
+        if plan is not None and not plan.reprocess:
+            index = {name: i for i, (name, _) in enumerate(shapes)}
+            return (lambda named: copy_part(plan, index, named)), None, "direct", False
+        quantization = getattr(getattr(self, "model_config", None), "quantization", None)
+        if quantization is None:
+            def load(named: list) -> None:
+                with self._vllm_config_context(), torch.no_grad():
+                    model.load_weights(iter(named))
+
+            return load, None, "load_weights", False
+        host = self.__dict__.setdefault("_weight_sync_buffers", [])
+        if [b.numel() for b in host] != list(manifest.buckets) or any(b.device.type != "cpu" for b in host):
+            host[:] = [torch.empty(n, dtype=torch.uint8) for n in manifest.buckets]
+        into = dict(bk.unpack(manifest, host))
+
+        def stage(named: list) -> None:
+            for name, t in named:
+                into[name].copy_(t)  # device to host: waits for the bucket, then the area is free
+
+        def finish() -> None:
+            self.reload_weights(weights_iterator=iter(bk.unpack(manifest, host)))
+
+        return stage, finish, "staged_reload_weights", True
+
+    def _vllm_config_context(self):
+        """vLLM's current config around a load, as its worker's own `reload_weights` sets it (some
+        weight loaders read it)."""
+        import contextlib
+
+        config = getattr(self, "vllm_config", None)
+        if config is None:
+            return contextlib.nullcontext()
+        from vllm.config import set_current_vllm_config
+
+        return set_current_vllm_config(config)
 
     def _after_full_load(self, lora_folder: str) -> None:
         if lora_folder and LORA_ID not in self.list_loras():

@@ -6,15 +6,25 @@ are in `weight_sync/round.py`):
 
 1. say `join/<rank>` (as `shm` when the round's shared-memory segment is on this host and this
    process can open it, or map its CUDA slot: then it copies the version from there, `_read_shm`,
-   and skips 2-4), and take the receive buffers (reused between rounds when the layout matches);
-2. wait for attempt k's roster; left out (or `abort`): `RoundMissed`, nothing loaded; say `ready`
-   and wait for the sender's `go` (or attempt k+1's roster, when another member never answered);
+   and skips 2-4; a CUDA member also names its device, `_identity`), and take the receive
+   buffers (reused between rounds when the layout matches);
+2. wait for attempt k's roster; left out (or `abort`): `RoundMissed`, nothing loaded
+   (`RoundRefused` when the sender said why: a member on the sender's own GPU that no slot can
+   serve, `shm.route`); say `ready` and wait for the sender's `go` (or attempt k+1's roster, when
+   another member never answered);
 3. build attempt k's group and receive every bucket (`buckets.sent`) from group rank 0 into its
    own buckets;
 4. report `ok` and return the buckets; on a failed broadcast report `err` and wait for attempt k+1.
 
-A same-host member receiving on the CPU (a vLLM worker) takes no buffers at all: `load_in_place`
-hands its load views of the sender's slot, then checks the slot's seqlock.
+A same-host member (a vLLM worker) takes no buffers at all: `load_in_place` hands its load views
+of the sender's slot (its host slot, or for a CUDA member its device slot mapped by CUDA IPC),
+then checks the slot's seqlock.
+
+A member receiving the broadcast onto a device (a CUDA vLLM worker) does not hold the model in
+buffers either: `receive_streaming` receives through two areas of the largest bucket and loads
+each bucket into the engine before its area is reused (docs/weight_sync_memory.md has the
+figures). The price: until the last bucket is loaded the engine holds a mixture, so a round that
+does not complete leaves it `WeightsDamaged` rather than unchanged.
 
 A round whose `info.adapter` is set carries a LoRA adapter (peft's tensor names): vLLM loads it
 as an adapter from the folder `write_adapter` fills (peft's format); a plain torch model gets it
@@ -33,8 +43,9 @@ from weight_sync import shm
 from weight_sync.messages import Adapter, RoundInfo, round_info
 from weight_sync.round import RoundMissed, RoundStore, dispose
 
-__all__ = ["RoundMissed", "receive_buckets", "receive_named_tensors", "receive_into_model", "load_disk",
-           "write_adapter", "adapter_modules", "merge_adapter"]
+__all__ = ["RoundMissed", "RoundRefused", "WeightsDamaged", "receive_buckets", "receive_streaming",
+           "receive_named_tensors", "receive_into_model", "load_disk", "in_place", "load_in_place", "write_adapter",
+           "adapter_modules", "merge_adapter"]
 
 PEFT_PREFIX = "base_model.model."
 
@@ -54,6 +65,7 @@ def receive_buckets(info: RoundInfo, local_rank: int = 0, device: Any = "cpu",
     on it; nothing is loaded in that case. `buffers`: a list this caller keeps between rounds; the
     buckets are received into it when the layout matches (fresh host memory costs a page fault per
     4 KiB on first touch, as much as the transfer itself on CPU), and it is refilled otherwise.
+    The buckets are the whole model: on a device, receive with `receive_streaming` instead.
     """
     import torch
 
@@ -62,7 +74,7 @@ def receive_buckets(info: RoundInfo, local_rank: int = 0, device: Any = "cpu",
     rank = info.rank + local_rank
     rs = _store(info, rank, deadline)
     via_shm = info.shm is not None and shm.usable(info.shm, device)
-    rs.join(rank, shm=via_shm)
+    rs.join(rank, shm=via_shm, **_identity(info, device))
     sizes = list(info.manifest.buckets)
     if buffers is not None and [b.numel() for b in buffers] == sizes and all(
             b.device == torch.device(device) for b in buffers):
@@ -73,6 +85,26 @@ def receive_buckets(info: RoundInfo, local_rank: int = 0, device: Any = "cpu",
             buffers[:] = bufs
     if via_shm:
         return _read_shm(info, rs, rank, bufs, deadline, t0)
+
+    def transfer(pg) -> None:
+        # every bucket's collective issued at once, in the sender's order (buckets.sent)
+        works = [pg.broadcast(view, 0) for view in bk.targets(info.manifest, bufs)]
+        for work in works:
+            work.wait()
+        _sync_device(device)
+
+    recv_s, attempts = _attempts(info, rs, rank, deadline, transfer)
+    stats = {"recv_s": recv_s, "join_to_done_s": time.monotonic() - t0, "attempts": attempts, "via": "broadcast",
+             "bytes": info.manifest.total_bytes, "buckets": len(bufs)}
+    return bufs, stats
+
+
+def _attempts(info: RoundInfo, rs: RoundStore, rank: int, deadline: float, transfer) -> tuple[float, int]:
+    """Steps 2-4 of a broadcast member (the module's docstring): attempt after attempt until
+    `transfer(pg)` has run its collectives through one attempt's group and this rank said `ok`.
+    Returns (seconds in the successful transfer, attempts). Raises `RoundMissed` (`RoundRefused`
+    when the sender said why) when this rank is left out, or the round ends without it. A
+    `transfer` that raises `Stop` is reported `err` and not retried: the `Stop` goes up."""
     attempt = 0
     while True:
         roster = rs.wait_roster(attempt, deadline)
@@ -83,8 +115,11 @@ def receive_buckets(info: RoundInfo, local_rank: int = 0, device: Any = "cpu",
             attempt += 1
             continue
         if roster.abort or rank not in roster.ranks:
+            why = rs.refusal(rank)
+            if why is not None:
+                raise RoundRefused(why)
             raise RoundMissed(f"rank {rank}: left out of round {info.round_id} (attempt {attempt})")
-        pg = works = work = None
+        pg, failure, stop = None, None, False
         try:
             rs.set_ready(attempt, rank)
             if not rs.wait_go(attempt, deadline):  # someone never answered: the next attempt goes on without it
@@ -92,31 +127,189 @@ def receive_buckets(info: RoundInfo, local_rank: int = 0, device: Any = "cpu",
                 continue
             pg = rs.group(info.backend, attempt, 1 + roster.ranks.index(rank), 1 + len(roster.ranks), deadline)
             t_bcast = time.monotonic()
-            # every bucket's collective issued at once, in the sender's order (buckets.sent)
-            works = [pg.broadcast(view, 0) for view in bk.targets(info.manifest, bufs)]
-            for work in works:
-                work.wait()
-            del works
-            _sync_device(device)
+            transfer(pg)
             recv_s = time.monotonic() - t_bcast
             rs.report(attempt, rank, ok=True)
+        except Stop as e:  # nothing to retry: say so, and stop
+            failure, stop = e, True
         except Exception as e:
+            failure = e
+        if failure is not None:
             # a member (maybe the sender) died: say so, drop the group, wait for the next attempt.
-            # The group goes now, with the collectives still queued on it (they hold it): members
-            # that receive through this one are then told at once, not when the next attempt
-            # rebinds these names (after the sender's grace period, too late to be served again)
-            works = work = pg = None
+            # The group goes now, with the collectives still queued on it (they hold it: the
+            # failure's traceback holds `transfer`'s frame): members that receive
+            # through this one are then told at once, not when the next attempt rebinds these
+            # names (after the sender's grace period, too late to be served again)
+            failure.__traceback__ = None
+            pg = None
             try:
                 rs.report(attempt, rank, ok=False)
             except Exception:
-                raise RoundMissed(f"rank {rank}: broadcast failed ({e}) and the sender is gone") from None
+                if not stop:
+                    raise RoundMissed(f"rank {rank}: broadcast failed ({failure}) and the sender is gone") from None
+            if stop:
+                raise failure
+            failure = None
             attempt += 1
             continue
         dispose(pg)
         del pg
-        stats = {"recv_s": recv_s, "join_to_done_s": time.monotonic() - t0, "attempts": attempt + 1, "via": "broadcast",
-                 "bytes": info.manifest.total_bytes, "buckets": len(bufs)}
-        return bufs, stats
+        return recv_s, attempt + 1
+
+
+class Stop(Exception):
+    """Raised by a `transfer` of `_attempts` whose failure a retry would not mend (the engine
+    refused the weights): the sender is told `err` and this member leaves the round."""
+
+
+AREAS = 2  # receive areas of a streamed round: bucket k+1 arrives while bucket k is loaded
+
+
+def _alloc(nbytes: int, device: Any):
+    """A receive area: every byte of device memory `receive_streaming` takes comes from here (the
+    memory test counts what it hands out)."""
+    import torch
+
+    return torch.empty(nbytes, dtype=torch.uint8, device=device)
+
+
+def _on(t, device: Any) -> bool:
+    import torch
+
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    return t.device == device
+
+
+def receive_areas(info: RoundInfo, device: Any = "cpu", kept: list | None = None, count: int = AREAS) -> list:
+    """`count` receive areas of the round's largest bucket on `device`: `kept` (the caller's list,
+    kept between rounds) when they are large enough, else new ones, which replace it (the old ones
+    are let go first: the two never coexist)."""
+    size = max(info.manifest.buckets, default=0)
+    if kept is not None and len(kept) == count and all(a.numel() >= size and _on(a, device) for a in kept):
+        return list(kept)
+    if kept is not None:
+        kept.clear()
+    areas = [_alloc(size, device) for _ in range(count)]
+    if kept is not None:
+        kept[:] = areas
+    return areas
+
+
+def bucket_views(manifest, bucket: int, area) -> list[tuple[str, Any]]:
+    """(name, tensor) views of bucket `bucket`'s tensors as they lie in `area`."""
+    return [(t.name, area[t.offset:t.offset + t.nbytes].view(bk.torch_dtype(t.dtype)).view(t.shape))
+            for t in manifest.tensors if t.bucket == bucket]
+
+
+def receive_streaming(info: RoundInfo, load, local_rank: int = 0, device: Any = "cpu",
+                      areas: list | None = None, count: int = AREAS, stages: bool = False) -> dict:
+    """Join the round as rank `info.rank + local_rank` and hand each bucket to `load` as it arrives.
+
+    The round is received through `count` areas of the largest bucket (`receive_areas`; `areas`
+    is the caller's list, kept between rounds), not into buffers for the whole model: bucket j
+    lands in area j % count, `load(named)` takes its (name, view) pairs (copying them into the
+    engine), and only then is bucket j + count received into the same area. So the member's extra
+    memory is `count` x the largest bucket, whatever the model's size (test_weight_sync_memory.py
+    counts it). With the default two areas, bucket j + 1 arrives while bucket j is loaded.
+
+    Order on a CUDA device: `work.wait()` of an NCCL broadcast returns once the output can be used
+    on the current stream without further synchronisation (torch's docs/source/distributed.rst,
+    "Synchronous and asynchronous collective operations"), so the load's copies, queued on the
+    current stream, read the whole bucket. Before bucket j + count is posted into bucket j's area
+    the host waits for the current stream (`_sync_device`): the load has read the area by then,
+    whatever stream NCCL writes from. Bucket j + 1 was posted before, so it still arrives while
+    bucket j is loaded. On the CPU (gloo) every step is in order anyway.
+
+    Loaded bucket by bucket, the engine holds a mixture of versions from the first bucket until
+    the last: only a round that arrived completely, and was loaded completely, is reported `ok`.
+    A failed broadcast is retried by the sender's next attempt, which sends (and this loads)
+    every bucket again. If the round ends without a complete load (left out of the retry, sender
+    gone, deadline, or `load` raised), and anything was loaded, `WeightsDamaged` ("weights
+    damaged: ..."): the engine must not serve these weights (the generator stops, and its next
+    start takes the current version before its first lease: actors/weight_hook.py). If nothing
+    was loaded, `RoundMissed` as for `receive_buckets`, the weights unchanged. `stages`: `load`
+    only copies the bytes aside (the engine is loaded after the round), so a broken round is
+    `RoundMissed` whatever was copied.
+
+    Returns the round's stats (`via`: "stream", `areas`, `area_bytes`)."""
+    if count < 1:
+        raise ValueError(f"receive_streaming: count={count} areas; at least 1")
+    t0 = time.monotonic()
+    deadline = t0 + info.timeout_s
+    rank = info.rank + local_rank
+    rs = _store(info, rank, deadline)
+    rs.join(rank, **_identity(info, device))
+    manifest = info.manifest
+    order = bk.sent(manifest)
+    bufs = receive_areas(info, device, areas, count)
+    state = {"loaded": False}  # whether `load` was ever called: the engine's weights may be a mixture
+
+    def transfer(pg) -> None:
+        refused = None  # the engine's error: the remaining buckets are received (the others' round
+        # goes on) but not loaded
+        works = {}
+
+        def post(j: int) -> None:
+            works[j] = pg.broadcast(bufs[j % count][:manifest.buckets[order[j]]], 0)
+
+        for j in range(min(count, len(order))):
+            post(j)
+        for j, b in enumerate(order):
+            works.pop(j).wait()
+            if refused is None:
+                try:
+                    if not stages:
+                        state["loaded"] = True
+                    load(bucket_views(manifest, b, bufs[j % count]))
+                except Exception as e:
+                    refused = e
+            if j + count < len(order):
+                _sync_device(device)  # bucket j's load has read its area before it is written again
+                post(j + count)
+        if refused is None and len(order) < len(manifest.buckets):  # zero-size tensors of empty buckets
+            try:
+                load([v for b in range(len(manifest.buckets)) if b not in order
+                      for v in bucket_views(manifest, b, bufs[0])])
+            except Exception as e:
+                refused = e
+        _sync_device(device)
+        if refused is not None:
+            raise Stop(f"{type(refused).__name__}: {refused}") from refused
+
+    try:
+        recv_s, attempts = _attempts(info, rs, rank, deadline, transfer)
+    except Stop as e:
+        if stages:
+            raise RoundMissed(f"rank {rank}: {e}") from e.__cause__
+        raise WeightsDamaged(f"weights damaged: the engine refused part of v{info.version} while it loaded it "
+                             f"bucket by bucket ({e})") from e.__cause__
+    except RoundMissed as e:
+        if state["loaded"]:
+            raise WeightsDamaged(f"weights damaged: v{info.version} was loaded bucket by bucket and the round "
+                                 f"ended before every bucket arrived ({e})") from e
+        raise
+    return {"recv_s": recv_s, "join_to_done_s": time.monotonic() - t0, "attempts": attempts, "via": "stream",
+            "bytes": manifest.total_bytes, "buckets": len(order), "areas": count,
+            "area_bytes": max(manifest.buckets, default=0)}
+
+
+class RoundRefused(RoundMissed):
+    """The sender refused this member the round, and said why (a configuration it cannot be
+    served in: `weight_sync.shm.route`); the message names the fix."""
+
+
+def _identity(info: RoundInfo, device: Any) -> dict:
+    """What this member tells the sender when it joins (`RoundStore.join`): the UUID of its CUDA
+    device, and whether it sees the sender's device (read from the segment's header), so could
+    map a slot there by CUDA IPC."""
+    if not str(device).startswith("cuda"):
+        return {}
+    uuid = shm.device_uuid(device)
+    ipc = (info.backend == "nccl" and info.shm is not None and info.shm.host == shm.host_id()
+           and shm.sender_uuid(info.shm) in shm.visible_uuids())
+    return {"device": uuid, "ipc": ipc}
 
 
 def _store(info: RoundInfo, rank: int, deadline: float) -> RoundStore:
@@ -160,13 +353,15 @@ REPAIRS = 5  # loads again after a torn in-place read before the weights are giv
 
 
 def in_place(info: RoundInfo, device: Any = "cpu") -> bool:
-    """Whether this member loads the round straight out of the sender's host slot (`load_in_place`):
-    a same-host round whose slot is in shared memory (not a CUDA IPC slot), received on the CPU."""
-    return (info.backend != "disk" and info.adapter is None and str(device) == "cpu" and info.shm is not None
-            and not info.shm.ipc and shm.usable(info.shm, device))
+    """Whether this member loads the round straight out of the sender's slot (`load_in_place`): a
+    same-host round of full weights whose slot this member can use (`shm.usable`): the host slot
+    (from the CPU, or copied host to device by the load), or for a CUDA member the slot on the
+    sender's device, mapped by CUDA IPC. Either way no receive buffer is taken: a CUDA member's
+    extra device memory for the round is nil."""
+    return info.backend != "disk" and info.adapter is None and info.shm is not None and shm.usable(info.shm, device)
 
 
-def load_in_place(info: RoundInfo, load, local_rank: int = 0) -> dict:
+def load_in_place(info: RoundInfo, load, local_rank: int = 0, device: Any = "cpu") -> dict:
     """Join a same-host round (`in_place`) and call `load(named)` on views of the sender's slot
     itself: the engine copies the version once, from the segment into its weights, instead of into
     receive buffers first. `load` returns what completes the load (e.g. repacking layers), called
@@ -181,7 +376,7 @@ def load_in_place(info: RoundInfo, load, local_rank: int = 0) -> dict:
     deadline = t0 + info.timeout_s
     rank = info.rank + local_rank
     rs = _store(info, rank, deadline)
-    rs.join(rank, shm=True)
+    rs.join(rank, shm=True, **_identity(info, device))
     _wait_shm_roster(info, rs, rank, deadline)
     t_load = time.monotonic()
     try:  # the sender waits for this member's word: it hears it however the load ends
@@ -189,6 +384,7 @@ def load_in_place(info: RoundInfo, load, local_rank: int = 0) -> dict:
         repairs = 0
         while True:
             finish = load(bk.unpack(info.manifest, slot.buckets))
+            _sync_device(device)  # the copies out of the slot are done before the seqlock's second look
             if shm.intact(info.shm, slot, info.manifest):
                 break
             again = None

@@ -7,8 +7,11 @@ the sender's random prefix, which only the service and the round's members learn
 roster or a group by, since a TCPStore cannot list its keys.
 
     member rank r       join/<r> = 1 | shm <pid>          "I am here" (the sender waits join_timeout_s);
-                                                          shm: "I read the sender's segment instead",
-                                                          from process <pid>
+                        [dev=<uuid>] [ipc]                shm: "I read the sender's segment instead",
+                                                          from process <pid>; dev: its CUDA device;
+                                                          ipc: it could map a slot on the sender's
+                                                          device (weight_sync/shm.py `route`)
+    sender              join/<r>/refused = why            left out: it cannot take this round at all
     sender              shm/roster = Roster(ranks)        the segment holds the version; these reads count
     sender              a<k>/roster = Roster(ranks, abort, later)  attempt k's members, in group-rank
                                                           order; `later`: served by a later attempt
@@ -112,10 +115,19 @@ class RoundStore:
 
     # ---- joining --------------------------------------------------------------------------
 
-    def join(self, rank: int, shm: bool = False) -> None:
+    def join(self, rank: int, shm: bool = False, device: str = "", ipc: bool = False) -> None:
         """Say "here"; `shm`: this rank reads the version from the sender's shared memory (and
-        names its process, which the sender on the same host can watch)."""
-        self.store.set(f"join/{rank}", f"shm {os.getpid()}".encode() if shm else b"1")
+        names its process, which the sender on the same host can watch). `device`: the UUID of
+        the member's CUDA device ("": not on CUDA), so that the sender never puts a member on its
+        own GPU into an NCCL group; `ipc`: the member sees the sender's device and could map a
+        slot there by CUDA IPC (the sender moves its slot there only then). Words after the first
+        two are optional: a reader that knows only `1` / `shm <pid>` still reads the first."""
+        words = [f"shm {os.getpid()}" if shm else "1"]
+        if device:
+            words.append(f"dev={device}")
+        if ipc:
+            words.append("ipc")
+        self.store.set(f"join/{rank}", " ".join(words).encode())
 
     def joined(self, rank: int) -> str | None:
         """How member `rank` joined: "shm", "broadcast", or None (not yet)."""
@@ -123,13 +135,34 @@ class RoundStore:
             return None
         return "shm" if self.store.get(f"join/{rank}").startswith(b"shm") else "broadcast"
 
+    def _join_words(self, rank: int) -> list[str]:
+        try:
+            return self.store.get(f"join/{rank}").decode().split()
+        except UnicodeDecodeError:
+            return []
+
     def process_of(self, rank: int) -> int | None:
         """Same-host member `rank`'s process id (None: it did not name one)."""
+        words = self._join_words(rank)
         try:
-            _, pid = self.store.get(f"join/{rank}").decode().split()
-            return int(pid)
-        except (ValueError, UnicodeDecodeError):
+            return int(words[1]) if words[0] == "shm" else None
+        except (ValueError, IndexError):
             return None
+
+    def device_of(self, rank: int) -> tuple[str, bool]:
+        """Member `rank`'s CUDA device UUID ("": none named) and whether it could map a device slot."""
+        words = self._join_words(rank)
+        uuid = next((w.removeprefix("dev=") for w in words if w.startswith("dev=")), "")
+        return uuid, "ipc" in words[1:]
+
+    def refuse(self, rank: int, why: str) -> None:
+        """Member `rank` cannot take this round (before the rosters that leave it out are set)."""
+        self.store.set(f"join/{rank}/refused", why.encode())
+
+    def refusal(self, rank: int) -> str | None:
+        """Why the sender refused member `rank` (None: it did not)."""
+        key = f"join/{rank}/refused"
+        return self.store.get(key).decode(errors="replace") if self.store.check([key]) else None
 
     # ---- the shared-memory members (weight_sync/shm.py) -------------------------------------
 

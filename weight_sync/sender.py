@@ -54,7 +54,7 @@ from weight_sync.client import ask, channel
 from weight_sync.config import WeightSyncConfig
 from weight_sync.messages import Adapter, Go, Idle, PendingRequest, Ready, RoundResult, RoundStats, SameHost
 from weight_sync.round import RoundStore, dispose, pause, process_alive, store_server
-from weight_sync.shm import Segment, host_id, slot_device
+from weight_sync.shm import REFUSE, Segment, bases, device_uuid, host_id, route, same_device_error, slot_device
 
 log = logging.getLogger("conveyor.weight_sync.sender")
 # After the first sign of trouble in an attempt (an `err` report, a failed broadcast), the others'
@@ -123,8 +123,11 @@ class WeightSender:
         # (over CurveZMQ when it is on): a stranger who reaches the store cannot find a key to join
         # a roster or a group by (the store has no way to list its keys).
         self._secret = secrets.token_hex(16)
-        # the shared-memory segment for generators on this host (weight_sync/shm.py)
-        self._segment = Segment(cfg.shm_dir, sender_id, then=slot_device(backend)) \
+        # the shared-memory segment for generators on this host (weight_sync/shm.py); on NCCL the
+        # slot may move to this rank's device, but only once a member asks for that (`served`)
+        dev = slot_device(backend) if backend != "disk" else None
+        self._device_uuid = device_uuid(dev) if dev is not None else ""  # a member on it never joins NCCL
+        self._segment = Segment(cfg.shm_dir, sender_id, then=dev, uuid=self._device_uuid) \
             if cfg.same_host != "broadcast" and backend != "disk" else None
         self._warnings = WarnLimiter(log, every_s=300.0)
         self._in_slot = False  # the buckets of `_flat` are views of a same-host slot (not gathered into again)
@@ -307,6 +310,37 @@ class WeightSender:
         return SameHost(self._segment.path, self._segment.nonce, host_id(), self.cfg.same_host == "shm",
                         self._segment.ipc)
 
+    def _same_device(self, rs: RoundStore, todo: list[int], manifest: bk.Manifest) -> tuple[dict[int, bool], bool]:
+        """The broadcast joiners on this rank's own GPU (`shm.route`: NCCL cannot hold them), each
+        told why it is left out (`RoundStore.refuse`) before any roster is written, and whether
+        the slot should move to the device for them (`Segment.served`).
+
+        Returns ({rank: final}, wants_device). `final`: no slot can serve it (the slot is on the
+        device already, or cannot go there), a configuration error that the round's `error` and
+        the member's `RoundRefused` spell out; else it catches up from the next round's device
+        slot (it is counted missed)."""
+        if self.backend != "nccl" or not self._device_uuid:
+            return {}, False
+        seg = self._segment
+        movable = seg is not None and seg.device is None and seg.then is not None
+        refused: dict[int, bool] = {}
+        for r in todo:
+            uuid, _ = rs.device_of(r)
+            # it joined the broadcast: whatever slot this round offered, it could not use it
+            if route(self.backend, uuid == self._device_uuid, False, False) != REFUSE:
+                continue
+            refused[r] = not movable
+            if movable:
+                rs.refuse(r, f"rank {r}: left out of round {rs.round_id}: its engine is on GPU {uuid}, the GPU of "
+                             f"learner rank 0, where NCCL cannot reach it; a slot on that GPU (CUDA IPC) is "
+                             f"offered from the next round")
+            else:
+                why = same_device_error(r, uuid, self.cfg.shm_dir, bases(manifest)[-1],
+                                        seg is not None and seg.device is not None)
+                rs.refuse(r, why)
+                self._warnings.warn("same-device", "%s", why)
+        return refused, movable and bool(refused)
+
     def _round_deadline(self, deadline: float) -> float:
         """The data plane stops a little before `deadline`, so the round's report still fits."""
         return deadline - min(0.5, 0.1 * self.timeout_s)
@@ -348,6 +382,9 @@ class WeightSender:
         shm_ranks = [r for r in present if via.get(r) == "shm"]
         todo = [r for r in present if via.get(r) != "shm"]
         out["join_s"] = time.monotonic() - t_join
+        refused, wants_device = self._same_device(rs, todo, manifest)
+        todo = [r for r in todo if r not in refused]
+        wants_device = wants_device or any(rs.device_of(r)[1] for r in shm_ranks)
 
         # 1b. members on this host: the version into the shared-memory segment, once
         if shm_ranks:
@@ -399,7 +436,7 @@ class WeightSender:
                 else:
                     dead_ranks.add(r)
             pending = again + pending
-        rs.set_roster(attempt, [], abort=True)  # releases anyone still waiting
+        rs.set_roster(attempt, [], abort=True)  # releases anyone still waiting (the refused too)
         out["broadcast_s"] = time.monotonic() - t_bcast
         out["attempts"] = attempt
         if shm_ranks:  # their reads ran alongside the broadcast; a process gone, or silence by the
@@ -410,7 +447,10 @@ class WeightSender:
             ok_ranks |= {r for r, ok in reports.items() if ok}
             dead_ranks |= {r for r in shm_ranks if not reports.get(r)}
             out["same_host"] = sum(1 for r in shm_ranks if reports.get(r))
-            self._segment.served()
+        if (shm_ranks or wants_device) and self._segment is not None:
+            self._segment.served(device_wanted=wants_device)
+        # refused for this round only (the slot is offered on the device from the next): missed
+        absent_workers |= {owner[r] for r, final in refused.items() if not final}
         failed = {owner[r] for r in dead_ranks} | {owner[r] for r in owner
                                                    if owner[r] not in absent_workers and r not in ok_ranks}
         out["missed"] = sorted(absent_workers)

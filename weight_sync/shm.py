@@ -48,6 +48,7 @@ from weight_sync.round import RoundMissed
 MAGIC = 0x434F4E5659575331  # "CONVYWS1"
 HEADER = 4096  # bytes
 _SEQ, _VERSION = 3, 4  # word of slot 0's seq and version; slot s adds 2s
+_UUID, UUID_BYTES = 1024, 64  # bytes of the header: the sender's CUDA device UUID, utf-8, zero-padded
 
 
 def host_id() -> str:
@@ -61,13 +62,80 @@ def host_id() -> str:
 
 
 def slot_device(backend: str):
-    """Where a sender's same-host slot lives: on its CUDA device when it sends over NCCL (members
-    map it by CUDA IPC), else (None) in the shared-memory file."""
+    """Where a sender's same-host slot may move (`Segment.served`): its CUDA device when it sends
+    over NCCL (members that asked for it map it by CUDA IPC); None: the slot stays in the file."""
     if backend != "nccl":
         return None
     import torch
 
     return torch.device("cuda", torch.cuda.current_device())
+
+
+def device_uuid(device) -> str:
+    """A CUDA device's UUID as torch names it (`get_device_properties(i).uuid`): the same string in
+    every process of the host, whatever its `CUDA_VISIBLE_DEVICES` (indices are not); "" for a
+    device that is not CUDA."""
+    import torch
+
+    device = torch.device(device)
+    if device.type != "cuda":
+        return ""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return str(torch.cuda.get_device_properties(index).uuid)
+
+
+def visible_uuids() -> set[str]:
+    """The UUIDs of this process's CUDA devices (empty without CUDA)."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return set()
+    return {str(torch.cuda.get_device_properties(i).uuid) for i in range(torch.cuda.device_count())}
+
+
+# How a member takes a round (`route`)
+IPC, SHM, BROADCAST, REFUSE = "ipc", "shm", "broadcast", "refuse"
+
+
+def route(backend: str, same_device: bool, shm_usable: bool, ipc_usable: bool) -> str:
+    """How a member takes a round: from the sender's device slot (`IPC`), from its host slot
+    (`SHM`), through the group's broadcast (`BROADCAST`), or not at all (`REFUSE`).
+
+    `same_device`: the member's engine is on the very GPU of the sender (their CUDA UUIDs are
+    equal). NCCL refuses two ranks of one communicator on one device (torch's ProcessGroupNCCL
+    fails the group's first collective: "Duplicate GPU detected"), so such a member never joins an
+    NCCL group: it takes a slot, or nothing (and the sender says why, `same_device_error`). Gloo
+    moves host tensors and has no such rule. A slot is preferred whenever one is usable: it costs
+    no group set-up, and the device slot is a device-to-device copy.
+
+        backend  same_device  shm  ipc  ->
+        any      any          any  yes     ipc
+        any      any          yes  no      shm
+        nccl     yes          no   no      refuse
+        nccl     no           no   no      broadcast
+        gloo     any          no   no      broadcast
+    """
+    if backend not in ("gloo", "nccl"):
+        raise ValueError(f"route: backend {backend!r} has no group (gloo or nccl)")
+    if ipc_usable:
+        return IPC
+    if shm_usable:
+        return SHM
+    if backend == "nccl" and same_device:
+        return REFUSE
+    return BROADCAST
+
+
+def same_device_error(rank: int, uuid: str, shm_dir: str, slot_bytes: int, device_slot_tried: bool) -> str:
+    """What a member refused by `route` is told: why, and the settings that fix it."""
+    how = ("it did not map the sender's device slot by CUDA IPC (run it in the learner's container, or "
+           "with docker --ipc=host)" if device_slot_tried else
+           "no device slot could be made on the learner's GPU")
+    return (f"rank {rank}: its engine is on GPU {uuid}, the GPU of learner rank 0, and NCCL refuses two ranks "
+            f"on one device, so it cannot take the broadcast; it needs the same-host slot instead, but "
+            f"{shm_dir} has no room for the host slot ({slot_bytes} bytes a version, two versions) and {how}. "
+            f"Fix: give {shm_dir} room (Docker: --shm-size), put the generator on another GPU, or set "
+            f"weight_sync.backend=gloo")
 
 
 def bases(manifest: bk.Manifest) -> list[int]:
@@ -88,11 +156,13 @@ def _map(path: str, nbytes: int):
 class Segment:
     """The sender's segment: created for a slot size, written once per version."""
 
-    def __init__(self, folder: str = "/dev/shm", tag: str = "ws", device=None, then=None):
+    def __init__(self, folder: str = "/dev/shm", tag: str = "ws", device=None, then=None, uuid: str = ""):
         """`device`: a CUDA device to keep the slot on (shared by CUDA IPC); None: in the file.
-        `then`: the device the slot moves to once it has served a round (`served`): device memory
-        is spent only where a same-host member uses it."""
-        self.folder, self.tag, self.device, self.then = folder, tag, device, then
+        `then`: the device the slot moves to once a round's member asked for a device slot
+        (`served`): a model's worth of the learner's device memory is spent only for a member
+        that maps it. `uuid`: the sender's CUDA device UUID, written into the header, where a
+        member reads it (`sender_uuid`) to tell whether it could map a device slot."""
+        self.folder, self.tag, self.device, self.then, self.uuid = folder, tag, device, then, uuid
         self.slots = 1 if device is not None else 2
         self.ipc = b""  # the device slot's CUDA IPC handle (`cuda_ipc_handle`)
         self._dev = None
@@ -120,7 +190,7 @@ class Segment:
             raise OSError(f"{self.folder} has {st.f_bavail * st.f_frsize} bytes free, the segment needs {size}")
         if self.device is not None:
             self._dev = torch.empty(need, dtype=torch.uint8, device=self.device)
-            self.ipc = cuda_ipc_handle(self._dev)
+            self.ipc = cuda_ipc_handle(self._dev) if self._dev.is_cuda else b""
         self.nonce = secrets.randbits(62)
         name = os.path.join(self.folder, f"conveyor-{self.tag}-{os.getpid()}-{self.nonce:x}")
         self._fd = os.open(name, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
@@ -137,6 +207,9 @@ class Segment:
         words[0], words[1], words[2] = MAGIC, self.nonce, 0
         for s in (0, 1):
             words[_SEQ + 2 * s], words[_VERSION + 2 * s] = 0, -1
+        uuid = self.uuid.encode()[:UUID_BYTES]
+        if uuid:
+            self._mem[_UUID:_UUID + len(uuid)].copy_(torch.tensor(list(uuid), dtype=torch.uint8))
         self.written = None
 
     def write(self, version: int, manifest: bk.Manifest, buckets: Sequence) -> float:
@@ -152,7 +225,7 @@ class Segment:
         base = bases(manifest)
         for b in bk.sent(manifest):
             slot[base[b]:base[b] + manifest.buckets[b]].copy_(buckets[b], non_blocking=True)
-        if self._dev is not None:
+        if self._dev is not None and self._dev.is_cuda:
             torch.cuda.synchronize(self._dev.device)  # the bytes are on the device before the version says so
         self._finish(s, version)
         return time.monotonic() - t0
@@ -178,11 +251,16 @@ class Segment:
         if version >= 0:
             self.written = version
 
-    def served(self) -> None:
-        """A round had same-host members: from the next one, the slot is on `then` (if set), or the
-        sender gathers each version straight into a host slot (`begin`), its pages reserved now
-        (a tmpfs that fills up later would otherwise kill the sender with SIGBUS mid-copy)."""
-        if self.then is not None and self.device is None:
+    def served(self, device_wanted: bool = False) -> None:
+        """A round had same-host members. `device_wanted`: one of them asked for a device slot
+        (a CUDA member that sees the sender's device, `RoundStore.join`'s `ipc`, or one on the
+        sender's very GPU, which only a slot can serve: `route`). Then, from the next round, the
+        slot is on `then` (if set: a model's worth of the learner's device memory, made by the
+        next `ensure`). Otherwise it stays in the file, and the sender gathers each version
+        straight into a host slot (`begin`), its pages reserved now (a tmpfs that fills up later
+        would otherwise kill the sender with SIGBUS mid-copy). A CPU member, or one reading the
+        host file, never moves the slot to the device."""
+        if device_wanted and self.then is not None and self.device is None:
             self.close()
             self.device, self.slots = self.then, 1
         elif self.device is None and not self.direct and self._fd is not None:
@@ -216,6 +294,24 @@ class Segment:
             os.close(self._fd)
             self._fd = None
         self.path = ""
+
+
+def sender_uuid(shm) -> str:
+    """The sender's CUDA device UUID written in segment `shm`'s header ("": none, or no such
+    segment here)."""
+    try:
+        if shm is None or not os.path.isfile(shm.path):
+            return ""
+        import torch
+
+        head = _map(shm.path, HEADER)
+        words = head[:HEADER].view(torch.int64)
+        if int(words[0]) != MAGIC or int(words[1]) != shm.nonce:
+            return ""
+        raw = bytes(head[_UUID:_UUID + UUID_BYTES].tolist())
+    except (OSError, RuntimeError):
+        return ""
+    return raw.rstrip(b"\0").decode("utf-8", "replace")
 
 
 def usable(shm, device="cpu") -> bool:
