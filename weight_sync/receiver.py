@@ -41,7 +41,7 @@ from typing import Any
 from weight_sync import buckets as bk
 from weight_sync import shm
 from weight_sync.messages import Adapter, RoundInfo, round_info
-from weight_sync.round import RoundMissed, RoundStore, dispose
+from weight_sync.round import AbortAt, Bounded, RoundMissed, RoundStore, failed_group, member_groups
 
 __all__ = ["RoundMissed", "RoundRefused", "WeightsDamaged", "receive_buckets", "receive_streaming",
            "receive_named_tensors", "receive_into_model", "load_disk", "in_place", "load_in_place", "write_adapter",
@@ -120,14 +120,26 @@ def _attempts(info: RoundInfo, rs: RoundStore, rank: int, deadline: float, trans
                 raise RoundRefused(why)
             raise RoundMissed(f"rank {rank}: left out of round {info.round_id} (attempt {attempt})")
         pg, failure, stop = None, None, False
+        group_rank, where = 1 + roster.ranks.index(rank), (info.host, info.port)
         try:
-            rs.set_ready(attempt, rank)
-            if not rs.wait_go(attempt, deadline):  # someone never answered: the next attempt goes on without it
+            # the group kept from an earlier round, if the roster offers it and this rank holds it
+            held = member_groups.holds(where, info.secret, roster.group, group_rank)
+            rs.set_ready(attempt, rank, holds=roster.group if held is not None else "")
+            go = rs.wait_go(attempt, deadline)
+            if go is None:  # someone never answered: the next attempt goes on without it
                 attempt += 1
                 continue
-            pg = rs.group(info.backend, attempt, 1 + roster.ranks.index(rank), 1 + len(roster.ranks), deadline)
+            if go.reuse:
+                pg = held
+                if pg is None:
+                    raise RuntimeError(f"told to reuse group {go.group}, which rank {rank} does not hold")
+            else:
+                pg = rs.group(info.backend, attempt, group_rank, 1 + len(roster.ranks), deadline, info.timeout_s)
+                member_groups.keep(where, info.secret, go.group, group_rank, pg)
+            held = None
             t_bcast = time.monotonic()
-            transfer(pg)
+            with AbortAt(pg, deadline):  # every wait in it ends by the deadline (round.py: `Bounded`)
+                transfer(Bounded(pg, deadline))
             recv_s = time.monotonic() - t_bcast
             rs.report(attempt, rank, ok=True)
         except Stop as e:  # nothing to retry: say so, and stop
@@ -141,7 +153,9 @@ def _attempts(info: RoundInfo, rs: RoundStore, rank: int, deadline: float, trans
             # through this one are then told at once, not when the next attempt rebinds these
             # names (after the sender's grace period, too late to be served again)
             failure.__traceback__ = None
-            pg = None
+            member_groups.forget(where, group_rank)
+            failed_group(pg, failure)
+            pg = held = None
             try:
                 rs.report(attempt, rank, ok=False)
             except Exception:
@@ -152,8 +166,7 @@ def _attempts(info: RoundInfo, rs: RoundStore, rank: int, deadline: float, trans
             failure = None
             attempt += 1
             continue
-        dispose(pg)
-        del pg
+        del pg  # kept for the next round (`member_groups`): its members may be the same
         return recv_s, attempt + 1
 
 

@@ -53,7 +53,9 @@ from weight_sync import buckets as bk
 from weight_sync.client import ask, channel
 from weight_sync.config import WeightSyncConfig
 from weight_sync.messages import Adapter, Go, Idle, PendingRequest, Ready, RoundResult, RoundStats, SameHost
-from weight_sync.round import RoundStore, dispose, pause, process_alive, store_server
+from weight_sync.round import Go as GroupGo
+from weight_sync.round import (AbortAt, Bounded, RoundStore, SenderGroups, failed_group, pause, process_alive, retire,
+                               store_server)
 from weight_sync.shm import REFUSE, Segment, bases, device_uuid, host_id, route, same_device_error, slot_device
 
 log = logging.getLogger("conveyor.weight_sync.sender")
@@ -123,6 +125,7 @@ class WeightSender:
         # (over CurveZMQ when it is on): a stranger who reaches the store cannot find a key to join
         # a roster or a group by (the store has no way to list its keys).
         self._secret = secrets.token_hex(16)
+        self._groups = SenderGroups()  # broadcast groups kept between rounds (round.py)
         # the shared-memory segment for generators on this host (weight_sync/shm.py); on NCCL the
         # slot may move to this rank's device, but only once a member asks for that (`served`)
         dev = slot_device(backend) if backend != "disk" else None
@@ -259,6 +262,7 @@ class WeightSender:
         ch = getattr(self._tls, "channel", None)
         if ch is not None:
             ch.close()
+        self._groups.clear()
         self._store = None
         self._latest = None
         if self._segment is not None:
@@ -399,7 +403,10 @@ class WeightSender:
         dead_ranks: set[int] = set()
         tries: dict[int, int] = {}
         size = self.cfg.group_size or len(todo)
-        pending, attempt = todo, 0
+        place = {r: (m.worker_id, r - m.first_rank) for m in go.members for r in m.ranks}  # who holds a group rank
+        # by worker, not by the order they polled in: the same generators make the same groups
+        # round after round, which can then be kept (round.py: "groups kept between rounds")
+        pending, attempt = sorted(todo, key=lambda r: place[r]), 0
         t_bcast = time.monotonic()
         while pending:
             if time.monotonic() >= deadline - 0.5:
@@ -407,24 +414,40 @@ class WeightSender:
                 break
             todo, pending = pending[:size], pending[size:]
             t_ready = time.monotonic()
-            rs.set_roster(attempt, todo, later=pending)
+            offer, order = self._groups.offer(place[r] for r in todo)  # a kept group of exactly these members
+            if offer:  # listed in its group-rank order
+                todo = sorted(todo, key=lambda r: order.index(place[r]))
+            members = [place[r] for r in todo]
+            rs.set_roster(attempt, todo, later=pending, group=offer)
             ready = rs.wait_ready(attempt, todo, min(deadline, time.monotonic() + self.cfg.setup_timeout_s))
             out["ready_s"] += time.monotonic() - t_ready
             if len(ready) < len(todo):  # silent since they joined: the others go on without them
-                dead_ranks |= set(todo) - ready
+                dead_ranks |= set(todo) - set(ready)
                 pending = sorted(ready) + pending
                 attempt += 1
                 continue
-            rs.set_go(attempt)
-            err, setup_s, transfer_s, pg = self._broadcast(rs, attempt, todo, bk.targets(manifest, buckets), deadline)
+            reuse = bool(offer) and all(ready[r] == offer for r in todo)
+            if offer and not reuse:  # someone no longer holds it
+                self._groups.drop(offer)
+            gid = offer if reuse else self._groups.new_id()
+            rs.set_go(attempt, GroupGo(gid, reuse))
+            err, setup_s, transfer_s, pg = self._broadcast(rs, attempt, todo, bk.targets(manifest, buckets), deadline,
+                                                           self._groups.get(gid) if reuse else None)
+            if err:
+                self._groups.forget(gid)  # ended by _broadcast; its last reference goes with `pg` below
+            elif not reuse:
+                self._groups.keep(gid, members, pg)
             out["setup_s"] += setup_s
             out["transfer_s"] += transfer_s
+            out["groups_reused"] = out.get("groups_reused", 0) + int(reuse and not err)
             t_confirm = time.monotonic()
             reports = self._collect(rs, attempt, todo, deadline,
                                     grace_s=max(GRACE_S, 2 * (setup_s + transfer_s)) if err else None)
             out["confirm_s"] += time.monotonic() - t_confirm
-            dispose(pg)  # after the reports: a group torn down early could fail a member still receiving
             del pg
+            if not err and not all(reports.get(r) for r in todo):
+                # after the reports: a group torn down early could fail a member still receiving
+                retire(self._groups.forget(gid))
             ok_ranks |= {r for r, ok in reports.items() if ok}
             dead_ranks |= set(todo) - set(reports)
             attempt += 1
@@ -458,42 +481,51 @@ class WeightSender:
         out["ok"] = sorted({owner[r] for r in owner} - absent_workers - failed)
         return out
 
-    def _broadcast(self, rs: RoundStore, attempt: int, todo: list[int], sources: list, deadline: float):
-        """One attempt as group rank 0; returns (error or "", setup seconds, transfer seconds, group).
+    def _broadcast(self, rs: RoundStore, attempt: int, todo: list[int], sources: list, deadline: float,
+                   pg=None):
+        """One attempt as group rank 0, through `pg` (a kept group) or a new one; returns
+        (error or "", setup seconds, transfer seconds, group).
 
         Every unit's collective is issued before the first is waited for (gloo and NCCL run them in
         order), so no collective waits for the previous one's round trip. On NCCL, host sources
         are copied to the device as they go, at most ~`bucket_bytes` ahead of the oldest
-        unfinished collective. On error the group is already torn down (its closed connections
-        make peers still waiting on us fail fast); otherwise the caller disposes of it."""
+        unfinished collective. Every wait ends by `deadline` (round.py: `Bounded`, `AbortAt`),
+        so a member that vanished costs this attempt, never the learner. On error the group is
+        aborted and goes with its last reference (its closed connections make peers still
+        waiting on us fail fast); otherwise the caller keeps it."""
         import torch
 
         t0 = time.monotonic()
-        pg = work = inflight = None
+        work = inflight = None
         try:
-            pg = rs.group(self.backend, attempt, 0, 1 + len(todo), deadline)
+            if pg is None:
+                pg = rs.group(self.backend, attempt, 0, 1 + len(todo), deadline, self.timeout_s)
             t1 = time.monotonic()
             inflight: list = []  # (work, bytes it holds on the device)
             held = 0
-            for src in sources:
-                dev = 0
-                if self.backend == "nccl" and src.device.type != "cuda":
-                    src = src.to(torch.device("cuda", torch.cuda.current_device()), non_blocking=True)
-                    dev = src.numel()
-                inflight.append((pg.broadcast(src, 0), dev))
-                held += dev
-                while held > self.bucket_bytes and len(inflight) > 1:
-                    work, n = inflight.pop(0)
+            with AbortAt(pg, deadline):
+                group = Bounded(pg, deadline)
+                for src in sources:
+                    dev = 0
+                    if self.backend == "nccl" and src.device.type != "cuda":
+                        src = src.to(torch.device("cuda", torch.cuda.current_device()), non_blocking=True)
+                        dev = src.numel()
+                    inflight.append((group.broadcast(src, 0), dev))
+                    held += dev
+                    while held > self.bucket_bytes and len(inflight) > 1:
+                        work, n = inflight.pop(0)
+                        work.wait()
+                        held -= n
+                for work, _ in inflight:
                     work.wait()
-                    held -= n
-            for work, _ in inflight:
-                work.wait()
-            if self.backend == "nccl":
-                torch.cuda.synchronize()
+                if self.backend == "nccl":
+                    torch.cuda.synchronize()
             return "", t1 - t0, time.monotonic() - t1, pg
         except Exception as e:
             # the group goes now, with the collectives still queued on it (they hold it)
-            work = inflight = pg = None
+            e.__traceback__ = None
+            failed_group(pg, e)
+            work = inflight = group = pg = None
             return f"{type(e).__name__}: {e}", time.monotonic() - t0, 0.0, None
 
     def _collect(self, rs: RoundStore, attempt, todo: list[int], deadline: float,
