@@ -148,6 +148,8 @@ def main() -> None:
     p.add_argument("--port", type=int, default=0)
     p.add_argument("--store-port", type=int, default=0)
     p.add_argument("--vllm-rounds", type=int, default=8, help="rounds into vLLM, alternating paths; the first two warm up")
+    p.add_argument("--fresh-groups", action="store_true",
+                   help="build the broadcast group anew every round (as before groups were kept between rounds)")
     p.add_argument("--backend", default="gloo", choices=["gloo", "nccl"],
                    help="nccl: both ends on GPUs (needs two: NCCL refuses two ranks on one device)")
     a = p.parse_args()
@@ -201,6 +203,8 @@ def main() -> None:
     sender_shm = WeightSender("127.0.0.1", port, timeout_s=120, join_timeout_s=60, bucket_mb=a.bucket_mb,
                               serve_in_background=False, same_host="auto", sender_id="bench-shm",
                               backend=a.backend)
+    if a.fresh_groups:  # keep none: every round builds its group
+        sender._groups.limit = 0
     while "bench-receiver" not in svc.state.generators:
         time.sleep(0.01)
 
@@ -260,6 +264,8 @@ def main() -> None:
         "round_control_s": med(r["round_s"] - r["transfer_s"] for r in rounds),  # everything but the bytes
         "round_gather_s": med(r["gather_s"] for r in rounds),
         "round_join_s": med(r["join_s"] for r in rounds),
+        "round_setup_s": med(r["setup_s"] for r in rounds),
+        "rounds_on_a_kept_group": sum(r.get("groups_reused", 0) for r in rounds),
         "per_tensor_s": med(per_tensor),
         "shm_round_s": med(r["round_s"] for r in shm_rounds),
         "shm_write_s": med(r["shm_s"] for r in shm_rounds),

@@ -15,9 +15,11 @@ roster or a group by, since a TCPStore cannot list its keys.
     sender              shm/roster = Roster(ranks)        the segment holds the version; these reads count
     sender              a<k>/roster = Roster(ranks, abort, later)  attempt k's members, in group-rank
                                                           order; `later`: served by a later attempt
-    member rank r       a<k>/ready/<r> = 1                about to build the group
-    sender              a<k>/go = 1                       every rank is ready (else: roster k+1)
-    everyone in roster  a<k>/pg/...                       a fresh ProcessGroupGloo / NCCL per attempt
+    member rank r       a<k>/ready/<r> = 1 | holds <g>   about to build the group; holds: it keeps the
+                                                          group <g> the roster offered (`Roster.group`)
+    sender              a<k>/go = Go(g, reuse)            every rank is ready (else: roster k+1); reuse
+                                                          the kept group g, or build g anew
+    everyone in roster  a<k>/pg/...                       the new group's rendezvous (not used on reuse)
     sender              broadcast bucket 0, 1, ... from group rank 0
     member rank r       a<k>/done/<r> = ok | err
     shm member rank r   ashm/done/<r> = ok | err         its copy out of the segment
@@ -42,6 +44,11 @@ of at the round's deadline. (A member that can open the segment, `/proc/<sender 
 sees the sender's pids as the sender does: the sender can watch its pid in turn.) A member left out of a roster (or handed an `abort` one) raises `RoundMissed`;
 it catches up later. The sender's side is `weight_sync.sender.WeightSender._run_round`, the
 member's `weight_sync.receiver.receive_buckets`; both speak through `RoundStore` below.
+
+A group costs no process its life: it is built so that a failure costs the round (NCCL: error
+handling and a communicator that can be aborted, `group_options`, `group_env`, `nccl_env`), every
+wait in a round ends by its deadline (`Bounded`, `AbortAt`), and a group whose members come back is
+kept for the next round ("groups kept between rounds", at the end).
 
 Keys are polled with `check` rather than waited on with `wait`: a `wait` that times out leaves
 the store client out of step with the server (every later call then fails). For the same reason
