@@ -25,12 +25,16 @@ private `/dev/shm` sees no such file and joins the broadcast). `weight_sync.same
 either side: `broadcast` never offers the segment, `shm` makes a same-host member that cannot
 open it fail instead of falling back.
 
-GPU: a sender whose learner runs on CUDA (backend nccl) keeps the slot on its device instead,
-one slot, and the file holds the header alone: the round's `SameHost.ipc` carries a CUDA IPC
-handle of the slot (`cuda_ipc_handle`: torch's own `reduce_tensor` fields, msgpack-encoded, the
-device named by its UUID, as colocated trainers share weights with their engines), and a member
-on a CUDA device of the same host maps it (`open_cuda_ipc`, once per segment) and copies the
-version device to device into its buffers, under the same seqlock. A member that cannot map it
+GPU: a sender whose learner runs on CUDA (backend nccl) moves the slot to its device once a
+round's member asks for that when it joins (a CUDA member that sees the sender's device, whose
+UUID the header carries, or a member on the sender's very GPU, which no NCCL group can hold:
+`route`); a CPU member or one reading the host file never moves it (`Segment.served`). Then it
+keeps one slot there, and the file holds the header alone: the round's `SameHost.ipc` carries a
+CUDA IPC handle of the slot (`cuda_ipc_handle`: torch's own `reduce_tensor` fields,
+msgpack-encoded, the device named by its UUID, as colocated trainers share weights with their
+engines), and a member on a CUDA device of the same host maps it (`open_cuda_ipc`, once per
+segment) and copies the version device to device (a vLLM worker straight into its weights,
+`receiver.load_in_place`), under the same seqlock. A member that cannot map it
 (a CPU member, a device it cannot reach) takes the broadcast. A CPU slot serves CUDA members too:
 they copy it host to device.
 """
@@ -102,10 +106,9 @@ def route(backend: str, same_device: bool, shm_usable: bool, ipc_usable: bool) -
     (`SHM`), through the group's broadcast (`BROADCAST`), or not at all (`REFUSE`).
 
     `same_device`: the member's engine is on the very GPU of the sender (their CUDA UUIDs are
-    equal). NCCL refuses two ranks of one communicator on one device (torch's ProcessGroupNCCL
-    fails the group's first collective: "Duplicate GPU detected"), so such a member never joins an
-    NCCL group: it takes a slot, or nothing (and the sender says why, `same_device_error`). Gloo
-    moves host tensors and has no such rule. A slot is preferred whenever one is usable: it costs
+    equal). NCCL refuses two ranks of one communicator on one device (its communicator set-up
+    fails), so such a member never joins an NCCL group: it takes a slot, or nothing (and
+    the sender says why, `same_device_error`). Gloo moves host tensors and has no such rule. A slot is preferred whenever one is usable: it costs
     no group set-up, and the device slot is a device-to-device copy.
 
         backend  same_device  shm  ipc  ->
