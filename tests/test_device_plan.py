@@ -225,6 +225,9 @@ def test_every_role_process_gets_its_devices(quick_start_files, monkeypatch):
     assert len(learner) == 2 and not set(learner) & set(gens) and len(set(gens)) == 2
     assert specs["generator-0"].argv[-2:] == ["--generator.gpu_memory_utilization", "0.900"]
     assert all(s.env["PYTORCH_NVML_BASED_CUDA_CHECK"] == "1" for s in specs.values())
+    # the processes that join weight-sync NCCL groups start with what those groups need
+    assert all(specs[n].env["TORCH_NCCL_NONBLOCKING_TIMEOUT"] for n in ("learner", "generator-0", "generator-1"))
+    assert "TORCH_NCCL_NONBLOCKING_TIMEOUT" not in specs["buffer"].env
     monkeypatch.setenv("CONVEYOR_FAKE_GPUS", "2")  # two GPUs: each engine shares a rank's, and starts before it
     specs = {s.name: s for s in plan(run, "local", RestartPolicy(), device_plan(run))}
     assert specs["generator-0"].ready.wait and specs["generator-1"].ready.wait
