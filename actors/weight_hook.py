@@ -16,6 +16,7 @@ from actors.engines import Engine
 from common.guards import WarnLimiter
 from common.wire import ProtocolError
 from weight_sync.messages import RoundInfo
+from weight_sync.receiver import fatal
 
 log = logging.getLogger("conveyor.generator")
 
@@ -99,8 +100,10 @@ class WeightSyncHook:
             # Keep generating with the weights we have: their version is still stamped truthfully.
             log.error("weights v%d not loaded: %s: %s", version, type(e).__name__, e)
             self._ask(self.ws.done, version, ok=False, load_s=time.monotonic() - t0, error=f"{type(e).__name__}: {e}")
-            if "weights damaged:" in str(e):  # (WeightsDamaged, as it comes back from the engine's workers)
-                # unless they are a mixture of two versions: this generator stops, to be restarted
+            if fatal(str(e)):  # (as it comes back from the engine's workers: text)
+                # unless they are a mixture of two versions (it stops, to be restarted), or no round
+                # can ever reach this engine where it runs (on learner rank 0's own GPU with no
+                # slot it can use: it stops with the message that names the fix)
                 raise
             return
         load_s = time.monotonic() - t0

@@ -482,7 +482,7 @@ def test_the_rendezvous_keys_are_under_the_senders_secret():
         decode(encode(Ready("learner0", 1, "gloo", _manifest(), "h", 1, secret="not hex!")))
 
 
-def test_the_hook_keeps_serving_old_weights_but_stops_on_damaged_ones():
+def test_the_hook_keeps_serving_old_weights_but_stops_on_damaged_ones_or_a_fatal_refusal():
     """A round that was not loaded leaves the old weights (the hook reports it and goes on); one
     whose in-place load left a mixture (`WeightsDamaged`, as the engine's workers raise it) stops
     the generator, after reporting, so its supervisor restarts it."""
@@ -506,4 +506,13 @@ def test_the_hook_keeps_serving_old_weights_but_stops_on_damaged_ones():
     hook.apply(Engine(RuntimeError("rank 0: left out of round 3")), info)
     with pytest.raises(RuntimeError, match="weights damaged"):  # across collective_rpc: its text
         hook.apply(Engine(RuntimeError(str(WeightsDamaged("weights damaged: v7 was overwritten")))), info)
-    assert done == [(7, False), (7, False)]
+    # left out for one round while the slot moves to the learner's GPU: it goes on
+    from weight_sync.receiver import RoundRefused
+    from weight_sync.shm import same_device_error
+
+    hook.apply(Engine(RuntimeError(str(RoundRefused("rank 1: left out of round 4: its engine is on GPU u, the GPU "
+                                                    "of learner rank 0, where NCCL cannot reach it")))), info)
+    # on learner rank 0's GPU with no slot it can use: no round can ever reach it, it stops and says why
+    with pytest.raises(RuntimeError, match="Fix: give /dev/shm room"):
+        hook.apply(Engine(RuntimeError(str(RoundRefused(same_device_error(1, "u", "/dev/shm", 1 << 30, True))))), info)
+    assert done == [(7, False)] * 4

@@ -313,6 +313,16 @@ class RoundRefused(RoundMissed):
     served in: `weight_sync.shm.route`); the message names the fix."""
 
 
+# What a round's failure says (as text: it crosses vLLM's collective_rpc) when the generator must
+# not go on serving: its weights are a mixture, or no round can ever reach it where it runs
+FATAL = ("weights damaged:", "NCCL refuses two ranks on one device")
+
+
+def fatal(error: str) -> bool:
+    """Whether a failed round's message means the generator must stop (`FATAL`)."""
+    return any(mark in error for mark in FATAL)
+
+
 def _identity(info: RoundInfo, device: Any) -> dict:
     """What this member tells the sender when it joins (`RoundStore.join`): the UUID of its CUDA
     device, and whether it sees the sender's device (read from the segment's header), so could
