@@ -91,25 +91,29 @@ class Node:
 @dataclass(frozen=True)
 class ModelSize:
     params: int  # parameter count
+    largest: int = 0  # elements of the largest tensor (a weight round's bucket holds it whole)
     layers: int = 0
     kv_bytes_per_token: int = 0  # K and V of every layer for one token, at 2 bytes an element
     source: str = ""  # where the numbers came from
 
 
-def _safetensors_params(folder: Path) -> int | None:
-    """Parameters in a folder's safetensors files, from their headers alone (no tensor is read)."""
+def _safetensors_params(folder: Path) -> tuple[int, int] | None:
+    """(parameters, elements of the largest tensor) in a folder's safetensors files, from their
+    headers alone (no tensor is read)."""
     files = sorted(folder.glob("*.safetensors"))
     if not files:
         return None
-    total = 0
+    total = largest = 0
     for f in files:
         with open(f, "rb") as fh:
             (n,) = struct.unpack("<Q", fh.read(8))
             header = json.loads(fh.read(n))
         for name, meta in header.items():
             if name != "__metadata__":
-                total += math.prod(meta.get("shape", [])) if meta.get("shape") else 1
-    return total
+                numel = math.prod(meta.get("shape") or [1])
+                total += numel
+                largest = max(largest, numel)
+    return total, largest
 
 
 def params_from_config(cfg: dict) -> int:
@@ -149,16 +153,17 @@ def model_size(folder: str, params_b: float = 0.0) -> ModelSize | None:
         kv = text.get("num_key_value_heads") or heads
         hd = text.get("head_dim") or text["hidden_size"] // heads
         kv_per_token = 2 * layers * kv * hd * 2
+    embedding = int(text.get("vocab_size", 0) or 0) * int(text.get("hidden_size", 0) or 0)
     if params_b:
-        return ModelSize(int(params_b * 1e9), layers, kv_per_token, "run.model_params_b")
+        return ModelSize(int(params_b * 1e9), embedding, layers, kv_per_token, "run.model_params_b")
     if path is None or not path.is_dir():
         return None
-    n = _safetensors_params(path)
-    if n:
-        return ModelSize(n, layers, kv_per_token, "safetensors headers")
+    found = _safetensors_params(path)
+    if found:
+        return ModelSize(found[0], found[1], layers, kv_per_token, "safetensors headers")
     if cfg:
         try:
-            return ModelSize(params_from_config(cfg), layers, kv_per_token, "config.json")
+            return ModelSize(params_from_config(cfg), embedding, layers, kv_per_token, "config.json")
         except KeyError:
             return None
     return None
@@ -354,6 +359,7 @@ class Demand:
     scorer_gb: float = 0.0
     scorer_parts: str = ""
     checked: bool = True
+    send_gb: float = 0.0  # rank 0's buckets on the device while it broadcasts (two at most)
 
 
 def learner_gb(size: ModelSize, ranks: int, zero: int, dtype: str, lora: bool) -> tuple[float, str]:
@@ -394,6 +400,9 @@ def demand_of(run) -> Demand:
             lparts += f" + critic {cgb:.1f}"
         if w.same_host != "broadcast" and not l.lora_rank:
             slot = policy.params * DTYPE_BYTES[l.dtype] / GIB
+
+    # a weight round's bucket: weight_sync.bucket_mb, or the largest tensor, which travels whole
+    bucket = max(w.bucket_mb / 1024, (policy.largest * DTYPE_BYTES[l.dtype] / GIB) if policy else 0.0)
     base = lgb + ACTIVATION_GB + CONTEXT_GB
     lparts += f" + activations {ACTIVATION_GB:.1f} + context {CONTEXT_GB:.2f}"
     per_rank = tuple(base for _ in range(r.learner_ranks))
@@ -408,8 +417,9 @@ def demand_of(run) -> Demand:
         eparts = (f"weights {weights:.1f} + one {max_len}-token sequence's KV {kv:.2f} + activations {ACTIVATION_GB:.1f}"
                   if policy.kv_bytes_per_token else f"weights {weights:.1f} + activations {ACTIVATION_GB:.1f} (KV: "
                                                     f"layers unknown without the folder)")
-    if vllm:  # the weight round's receive area and the engine's CUDA context, outside its share
-        engine_extra = 2 * w.bucket_mb / 1024 + CONTEXT_GB
+
+    if vllm:  # the round's two receive areas and the engine's CUDA context, outside its share
+        engine_extra = 2 * bucket + CONTEXT_GB
     scorer = 0.0
     sparts = ""
     if gpu_scorers:
@@ -426,7 +436,7 @@ def demand_of(run) -> Demand:
         sparts += f"activations {ACTIVATION_GB:.1f} + context {CONTEXT_GB:.2f}"
     return Demand(r.learner_ranks, r.num_generators, g.tensor_parallel_size if vllm else 1, gpu_scorers, vllm,
                   g.gpu_memory_utilization, per_rank, lparts, slot, engine_need, eparts, engine_extra,
-                  scorer, sparts, checked)
+                  scorer, sparts, checked, send_gb=2 * bucket)
 
 
 def _devices(nodes: list[Node]) -> list[tuple[int, Gpu]]:
@@ -492,9 +502,9 @@ def make_plan(d: Demand, nodes: list[Node], placement: str = "auto") -> DevicePl
                                     need_gb=d.learner_gb[rank] if d.learner_gb else 0.0, parts=d.learner_parts))
     taken |= {(k, g.index) for k, g in learner_devs}
     learner0 = placements[0]
-    if d.slot_gb and d.generators:
-        learner0.need_gb += d.slot_gb  # (ranks > 0 share the figure: rank 0's is the largest)
-        learner0.parts += f" + weight-sync slot {d.slot_gb:.1f} on rank 0 (weight_sync.same_host broadcast: none)"
+    if d.generators and d.send_gb:  # (ranks > 0 share the figure: rank 0's is the largest)
+        learner0.need_gb += d.send_gb
+        learner0.parts += f" + weight-sync send buckets {d.send_gb:.1f} on rank 0"
     # engines: blocks of their own, or cycling over the learner's devices
     gens: list[Placement] = []
     for i in range(d.generators):
@@ -514,6 +524,10 @@ def make_plan(d: Demand, nodes: list[Node], placement: str = "auto") -> DevicePl
         taken |= {(k, g.index) for g in block}
         gens.append(Placement(f"generator-{i}", "generator", k, [g.index for g in block], need_gb=d.engine_need_gb,
                               parts=d.engine_parts))
+    if d.slot_gb and any(g.node == learner0.node and g.devices for g in gens):
+        # the slot that same-host engines map by CUDA IPC (made once one asks: weight_sync/shm.py)
+        learner0.need_gb += d.slot_gb
+        learner0.parts += f" + weight-sync slot {d.slot_gb:.1f} on rank 0 (weight_sync.same_host broadcast: none)"
     scorers: list[Placement] = []
     for i in range(d.gpu_scorers):
         if layout == "separate":
