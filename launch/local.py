@@ -40,19 +40,8 @@ import sys
 import time
 from pathlib import Path
 
+from launch.plan_view import device_plan, print_plan  # noqa: F401 (launch.demo takes them from here)
 from launch.recovery import EXIT_CODES, RESUMABLE
-
-
-def device_plan(run):
-    """The run's device plan on this machine (launch/devices.py); a layout that cannot fit is a
-    `ConfigError` with the numbers."""
-    from launch.config import ConfigError
-    from launch.devices import PlanError, plan_run
-
-    try:
-        return plan_run(run)
-    except PlanError as e:
-        raise ConfigError(str(e)) from None
 
 
 def plan_roles(run, devices=None) -> list:
@@ -234,27 +223,6 @@ def main(argv: list[str] | None = None) -> None:
         print(f"launch.local: {e}", file=sys.stderr)
         sys.exit(EXIT_CODES["config"])
     sys.exit(run_local(run))
-
-
-def print_plan(run, prog: str) -> int:
-    """`--plan`: the device plan as a table and every role's environment; 0, or the config error
-    code with the numbers when the run does not fit."""
-    from launch.config import ConfigError
-    from launch.roles import RestartPolicy, plan
-
-    try:
-        devices = device_plan(run)
-    except ConfigError as e:
-        print(f"{prog}: {e}", file=sys.stderr)
-        return EXIT_CODES["config"]
-    print(devices.table(), end="")
-    if devices.layout != "cpu":
-        print("  environment:")
-        for spec in plan(run, "local", RestartPolicy(), devices):
-            extra = {k: v for k, v in spec.env.items() if k.startswith(("CUDA_", "CONVEYOR_CUDA"))}
-            flags = " ".join(devices.overrides(spec.name))
-            print(f"    {spec.name:<13} " + " ".join(f"{k}={v}" for k, v in extra.items()) + (f" {flags}" if flags else ""))
-    return 0
 
 
 if __name__ == "__main__":

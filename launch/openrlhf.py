@@ -8,7 +8,7 @@ Every option of OpenRLHF 0.11.2's `openrlhf.cli.train_ppo_ray` (the dotted names
   samples where the buffer counts prompt groups, names estimators and schedules differently,
   says -1 for "off");
 - accepted (`note`): it has no effect here and leaving it out changes nothing the run learns
-  (a CUDA-only speed-up, a logging cadence, where Ray would colocate models); a note says so.
+  (a CUDA-only speed-up, a logging cadence); a note says so.
   Two are accepted with a check: `only` at one value (`--actor.num_nodes 1` on launch.local; more
   nodes are launch.ray's), and `shared` when it agrees with the policy's key (the critic trains
   with the policy's AdamW settings);
@@ -21,7 +21,8 @@ needs another flag's value (`--actor.eps_clip_low_high` into two keys, the `is_c
 family, a warm-up ratio of the run's optimizer steps, a remote reward URL that adds a scorer kind)
 and the refusals land in `Run.extra` and are resolved by `launch.openrlhf_resolve.resolve`, which
 `run_config.finish` calls. The placement flags set process counts here (learner ranks, generators) and are read again
-by `launch.ray` for the resources (launch/ray_config.py `ray_placement`). Where a name is both a Conveyor key and an
+by `launch.ray` for the resources (launch/ray_config.py `ray_placement`); the colocation flags set
+`run.placement` (resolved together: `--train.colocate_all` wins over the two partial ones). Where a name is both a Conveyor key and an
 OpenRLHF flag (`--eval.dataset`, `--eval.split`, `--eval.temperature`, `--eval.n_samples_per_prompt`)
 it is Conveyor's key, which means the same.
 """
@@ -125,7 +126,9 @@ bf16 = switch("bfloat16", "float32")
 LOCAL_ONE_NODE = "launch.local runs on one machine; several nodes: launch.ray or launch.train_ppo_ray"
 PLACED = ("placement: launch.ray starts max(ref, reward) nodes x GPUs scorers (each serves both models); "
           "launch.local runs run.num_scorers")
-NO_COLOCATE = "placement: roles are not colocated, each reserves its own GPUs"
+SLEEP = ("time-sharing of a colocated GPU (the engines sleep while the learner trains, the learner's state "
+         "leaves the GPU while they generate) is not done yet: colocated roles share each GPU's memory at once "
+         "(run.placement colocate gives each its share); accepted, no effect")
 SPEED = "speed or memory only"
 
 TABLE: dict[str, Spec] = {
@@ -140,16 +143,22 @@ TABLE: dict[str, Spec] = {
                                       "runs on CPUs"),
     "critic.num_nodes": only(1, LOCAL_ONE_NODE),
     "critic.num_gpus_per_node": note("the critic trains inside the learner ranks (learner.critic_path)"),
-    "train.colocate_actor_ref": note(NO_COLOCATE),
-    "train.colocate_critic_reward": note(NO_COLOCATE),
-    "train.colocate_all": note(NO_COLOCATE),
+    "train.colocate_actor_ref": to("extra.colocate_actor_ref", convert=parse_bool,
+                                   why="run.placement colocate_scorers (the reference scorers on the learner's GPUs), "
+                                       "unless --train.colocate_all"),
+    "train.colocate_critic_reward": to("extra.colocate_critic_reward", convert=parse_bool,
+                                       why="run.placement colocate_scorers (the critic trains in the learner ranks; "
+                                           "the reward scorers on their GPUs), unless --train.colocate_all"),
+    "train.colocate_all": to("extra.colocate_all", convert=parse_bool,
+                             why="run.placement colocate (engines and scorers on the learner's GPUs, each with a "
+                                 "memory share)"),
     "vllm.num_engines": to("run.num_generators", convert=engines, why="one generator process per engine"),
     "vllm.tensor_parallel_size": to("generator.tensor_parallel_size", convert=int),
     "vllm.sync_backend": to("weight_sync.backend", convert=sync_backend, why="nccl: auto (NCCL on CUDA, gloo on CPU)"),
     "vllm.sync_with_ray": note("weights go over a torch.distributed group (weight_sync.backend)"),
     "vllm.enable_prefix_caching": note(SPEED),
     "vllm.enforce_eager": note(SPEED),
-    "vllm.enable_sleep": note(NO_COLOCATE),
+    "vllm.enable_sleep": note(SLEEP),
     "vllm.gpu_memory_utilization": to("generator.gpu_memory_utilization", convert=float,
                                       why="on a CPU build: of host memory, for the KV cache"),
     # behaviour -> proximal importance-sampling correction (resolved together)
@@ -196,7 +205,7 @@ TABLE: dict[str, Spec] = {
     "actor.gradient_checkpointing_reentrant": note(SPEED),
     "data.disable_fast_tokenizer": note("the tokenizer folder decides"),
     "data.dataloader_num_workers": note("the buffer service reads the prompts"),
-    "ds.enable_sleep": note(NO_COLOCATE),
+    "ds.enable_sleep": note(SLEEP),
     "ds.tensor_parallel_size": note("a memory layout: learner ranks are data-parallel ZeRO (ZeRO-3 partitions "
                                     "the parameters); the gradient is the same"),
     "ds.packing_samples": to("learner.packing", convert=parse_bool),

@@ -3,7 +3,8 @@
 
 What lands in `Run.extra` here: a refused flag (refused unless given at OpenRLHF's default value,
 where it changes nothing), `--actor.eps_clip_low_high` (two keys), the `is_correction_*` family,
-a warm-up ratio (of the run's optimizer steps), a remote reward URL (a scorer kind), `--use_wandb`.
+a warm-up ratio (of the run's optimizer steps), a remote reward URL (a scorer kind), `--use_wandb`,
+the colocation flags (`run.placement`).
 Idempotent, like `finish`: every value is derived from `run.extra` and what the user set.
 """
 
@@ -74,6 +75,7 @@ def resolve(run, explicit: dict | None = None) -> None:
         # an OpenRLHF command names its reward: the default reward function is not asked for too
         kinds = [k for k in s.kinds if k != "reward_fn" or s.reward_fn]
         s.kinds = kinds + [k for k in given if k not in kinds]
+    placement(run, explicit)
     if "use_wandb" in x and not l.wandb_project:
         l.wandb_project = "openrlhf_train_ppo"
     shared = [(k.split(":", 1)[1], v) for k, v in x.items() if k.startswith("shared:")]
@@ -86,6 +88,20 @@ def resolve(run, explicit: dict | None = None) -> None:
         if not agree:
             raise ConfigError(f"--{name} {value}: the critic trains with the policy's AdamW settings here, and "
                               f"learner.{key} is {getattr(l, key)!r}; give the policy the same value")
+
+
+def placement(run, explicit: dict) -> None:
+    """OpenRLHF's colocation flags as `run.placement` (launch/devices.py), unless the user set it:
+    `--train.colocate_all` (`--colocate_all_models`) colocate; `--train.colocate_actor_ref` or
+    `--train.colocate_critic_reward` colocate_scorers (the critic trains inside the learner ranks,
+    the reference and reward models are the scorers'), unless colocate_all is on too."""
+    x = run.extra
+    if is_set(explicit, "run.placement"):
+        return
+    if x.get("colocate_all"):
+        run.run.placement = "colocate"
+    elif x.get("colocate_actor_ref") or x.get("colocate_critic_reward"):
+        run.run.placement = "colocate_scorers"
 
 
 def is_correction(run) -> None:

@@ -10,6 +10,7 @@ status report and the `scale|status|stop` commands (launch/ray_status.py); this 
 cluster, runs the attempts (auto-resume) and gives the exit code.
 
     python -m launch.ray CONFIG [--ray.address HOST:6379] [--section.key VALUE ...]
+    python -m launch.ray CONFIG --plan      # the device plan; CONVEYOR_FAKE_GPUS=2x8: as on 2 nodes of 8 GPUs
     ray job submit --address http://HEAD:8265 -- python -m launch.ray CONFIG ...
     python -m launch.ray scale --generators K [--run NAME] [--address A] [--wait]
     python -m launch.ray status [--run NAME] [--address A]
@@ -19,6 +20,13 @@ cluster, runs the attempts (auto-resume) and gives the exit code.
 - Addresses are discovered: the buffer's and the weight-sync service's actors report their node's
   IP and free ports, and every role's resolved config (`<run_dir>/configs/<role>.yaml`) says them;
   `run.curve auto` is decided from those IPs (CurveZMQ on unless they are loopback).
+- GPUs: the run's device plan (launch/devices.py, as launch.local's) is made on the cluster's
+  alive nodes before anything is placed, and a run that does not fit is refused with the numbers
+  (exit 2). Every role process gets the plan's GPUs as CUDA_VISIBLE_DEVICES (launch/ray_devices.py):
+  in the separate layout each reserves its own as Ray `num_gpus` (Ray's ids are disjoint); in a
+  colocated one the run holds its GPUs in one placement group per node and each process gets the
+  ids of its planned devices' bundles; a process with none gets "". `--plan` prints the plan and
+  what each process reserves, without joining a cluster or writing anything.
 - Learner ranks: one actor per rank in one placement group; the launcher sets the rendezvous
   (MASTER_ADDR/MASTER_PORT of rank 0's node, RANK, WORLD_SIZE, LOCAL_RANK).
 - A generator or scorer that dies is started again (`ray.max_restarts` times each; its leases expire
@@ -192,12 +200,35 @@ def main(argv: list[str] | None = None) -> None:
     from launch.config import ConfigError
 
     config_path = argv.pop(0) if not argv[0].startswith("--") else None
+    show_plan = "--plan" in argv
+    argv = [a for a in argv if a != "--plan"]
     try:
-        rcfg, run = load(config_path, argv)
+        rcfg, run = load(config_path, argv, paths=not show_plan)
+        if show_plan:
+            sys.exit(print_plan(rcfg, run))
     except ConfigError as e:
         print(f"launch.ray: {e}", file=sys.stderr)
         sys.exit(EXIT_CODES["config"])
     sys.exit(run_ray(rcfg, run, config_path or "CONFIG"))
+
+
+def print_plan(rcfg, run) -> int:
+    """`--plan`: the device plan on $CONVEYOR_FAKE_GPUS's nodes or this machine's GPUs (no cluster is
+    joined, nothing written), with what each role process reserves from Ray; 0, or 2 with the
+    numbers when the run does not fit."""
+    from launch.config import ConfigError
+    from launch.plan_view import print_plan as show
+    from launch.ray_devices import RayDevices, offline_nodes
+
+    nodes, notes = offline_nodes(run)
+
+    def on_ray(plan, specs) -> list[str]:
+        devices = RayDevices.of(plan, run, rcfg, notes)
+        if devices.problems():
+            raise ConfigError("; ".join(devices.problems()))
+        return devices.describe(specs)
+
+    return show(run, "launch.ray", "ray", nodes, on_ray)
 
 
 if __name__ == "__main__":

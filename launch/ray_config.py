@@ -6,12 +6,15 @@ scorer is started again after it died:
 
     ray:
       address: ""                 # RAY_ADDRESS, `auto`, `ray://head:10001`; empty: RAY_ADDRESS or a new local cluster
-      generator: {num_cpus: 4, num_gpus: 1, strategy: SPREAD}
-      learner:   {num_cpus: 8, num_gpus: 1, strategy: PACK}
+      generator: {num_cpus: 4, strategy: SPREAD}
+      learner:   {num_cpus: 8, strategy: PACK}
       max_restarts: 3
 
-OpenRLHF's placement flags (`--actor.num_nodes`, `--actor_num_gpus_per_node`, `--vllm.num_engines`,
-...) become the process counts and `ray.<role>.gpus_if_available` (`ray_placement`).
+GPUs come from the run's device plan on a GPU cluster (launch/ray_devices.py): in the separate
+layout each process reserves the GPUs the plan gives it, unless `num_gpus` here says otherwise;
+in a colocated one the run holds its GPUs in one placement group per node. OpenRLHF's placement
+flags (`--actor.num_nodes`, `--actor_num_gpus_per_node`, `--vllm.num_engines`, ...) become the
+process counts (`ray_placement`).
 
 Also here, without Ray: `load` (the run config with `ray:` taken apart, paths made absolute),
 `tie_addresses` (the discovered buffer and weight-sync addresses into every section that dials
@@ -22,7 +25,6 @@ resource, instead of waiting forever for a placement group).
 from __future__ import annotations
 
 import os
-import sys
 import tempfile
 from pathlib import Path
 from typing import ClassVar, Literal, Sequence
@@ -46,12 +48,12 @@ class RoleResources(Section):
     num_cpus: float = Field(1.0, ge=0)
     """CPUs reserved per process (a generator: per engine; a learner: per rank)."""
     num_gpus: float = Field(0.0, ge=0)
-    """GPUs per process; a generator reserves num_gpus x generator.tensor_parallel_size, on one node."""
+    """GPUs per process; a generator reserves num_gpus x generator.tensor_parallel_size, on one node.
+    Unset: what the device plan gives it on a GPU cluster (separate layout: a learner rank 1, a
+    generator tensor_parallel_size, a GPU scorer 1; the services 0), nothing on a CPU cluster.
+    Set with run.placement colocate or colocate_scorers: refused (the plan places those)."""
     memory_gb: float = Field(0.0, ge=0)
     """Host memory reserved per process in GiB (0: none; Ray's memory resource)."""
-    gpus_if_available: float = Field(0.0, ge=0)
-    """GPUs per process reserved only when the cluster has GPUs (OpenRLHF's placement flags set 1),
-    so that the same command runs on a CPU cluster, each process on CPUs; num_gpus, when set, wins."""
     resources: dict[str, float] = Field(default_factory=dict)
     """Ray custom resources per process (`{node_a: 1}`): a node started with `ray start
     --resources '{"node_a": 100}'` is the only kind that can hold the process, which pins a role to
@@ -61,21 +63,16 @@ class RoleResources(Section):
     with the run): PACK (as few nodes as fit), SPREAD (different nodes where possible),
     STRICT_PACK (one node), STRICT_SPREAD (one node each)."""
 
-    def bundle(self, gpus_scale: int = 1) -> dict[str, float]:
+    def bundle(self, gpus: float = 0.0) -> dict[str, float]:
+        """One process's reservation, with `gpus` GPUs (decided with the device plan:
+        launch/ray_devices.py `RayDevices.gpus`)."""
         b = {"CPU": float(self.num_cpus)}
-        gpus = self.num_gpus or (self.gpus_if_available if cluster_has_gpus() else 0.0)
         if gpus:
-            b["GPU"] = float(gpus) * gpus_scale
+            b["GPU"] = float(gpus)
         if self.memory_gb:
             b["memory"] = float(self.memory_gb) * (1 << 30)
         b.update({k: float(v) for k, v in self.resources.items()})
         return b
-
-
-def cluster_has_gpus() -> bool:
-    """Whether the Ray cluster this process joined has any GPU (False before it joined one)."""
-    ray = sys.modules.get("ray")
-    return bool(ray is not None and ray.is_initialized() and ray.cluster_resources().get("GPU", 0) > 0)
 
 
 def _small() -> RoleResources:
@@ -185,9 +182,9 @@ def ray_placement(flags: dict[str, str]) -> tuple[dict[str, str], set[str]]:
 
     (overrides, the flags they replace): learner ranks = actor nodes x GPUs per node; scorers = the
     larger of ref's and reward's nodes x GPUs (each scorer serves both models); generators = vLLM
-    engines. Each such role then reserves 1 GPU per process (x the engine's tensor-parallel size)
-    when the cluster has GPUs (`ray.<role>.gpus_if_available`). Several nodes are fine here; PACK
-    spreads a role over as few as hold it. Explicit `--run.*` counts win."""
+    engines. On a GPU cluster the device plan then gives each process its GPUs (launch/ray_devices.py).
+    Several nodes are fine here; PACK spreads a role over as few as hold it. Explicit `--run.*`
+    counts win."""
     per_role: dict[str, dict[str, int]] = {}
     used: set[str] = set()
     for key, value in flags.items():
@@ -206,11 +203,6 @@ def ray_placement(flags: dict[str, str]) -> tuple[dict[str, str], set[str]]:
     scorers = [counts[r] for r in ("ref", "reward") if r in counts]
     if scorers and "run.num_scorers" not in flags:
         out["run.num_scorers"] = str(max(scorers))
-    roles = {ROLE_OF[r] for r in per_role}
-    if any(LEGACY.get(k, k) == "vllm.num_engines" for k in flags):
-        roles.add("generator")
-    for role in sorted(roles):
-        out.setdefault(f"ray.{role}.gpus_if_available", "1")
     return out, used
 
 
@@ -218,8 +210,9 @@ def ray_placement(flags: dict[str, str]) -> tuple[dict[str, str], set[str]]:
 # the run config as launch.ray reads it: section `ray:` apart, paths absolute, addresses discovered
 
 
-def load(config_path: str | None, argv: list[str]):
-    """(RayConfig, Run) from the YAML file and the flags; `ray:` is read here, the rest as usual."""
+def load(config_path: str | None, argv: list[str], paths: bool = True):
+    """(RayConfig, Run) from the YAML file and the flags; `ray:` is read here, the rest as usual
+    (`paths` False: the model and prompt paths need not exist, as for `--plan`)."""
     import yaml
 
     from launch.run_config import load_run_config
@@ -229,7 +222,7 @@ def load(config_path: str | None, argv: list[str]):
         # the same file name, so load_run_config's messages quote the user's file
         path = Path(tmp) / (Path(config_path).name if config_path else "config.yaml")
         path.write_text(yaml.safe_dump(tree, sort_keys=False))
-        run = load_run_config(path, rest)
+        run = load_run_config(path, rest, paths=paths)
     absolute_paths(run)
     return rcfg, run
 

@@ -5,6 +5,11 @@ Every role's group is placed before any role starts (all or nothing): the learne
 one bundle. A request no node can hold was refused before (`ray_config.check_resources`); one that
 fits but waits fails after `ray.placement_timeout_s`, saying what is free. Generators added by
 `scale` beyond the run's first group get a one-bundle group each, removed with its last process.
+
+What a process reserves comes with the run's device plan (launch/ray_devices.py `RayDevices`). In
+a colocated layout the processes the plan gives GPUs sit instead in the run's GPU groups: one per
+planned node, a {GPU: 1} bundle per planned GPU (with the CPUs of the processes whose first
+device it is), held for the attempt's life; `probe` asks each bundle which GPU id Ray gave it.
 """
 
 from __future__ import annotations
@@ -34,6 +39,7 @@ class Group:
     bundles: list[dict]
     keep: bool = True  # removed when its last slot is freed (generators added by `scale`) unless kept
     taken: set = field(default_factory=set)
+    devices: list[str] = field(default_factory=list)  # a GPU group's: the plan's device of each bundle
 
     def free_slot(self) -> Slot | None:
         for i, b in enumerate(self.bundles):
@@ -50,17 +56,24 @@ class Placement:
         self.run_name, self.attempt = run_name, attempt
         self.groups: list[Group] = []
         self.placed = 0  # placement groups made so far (their names must differ)
+        self.devices = None  # RayDevices: the run's device plan on this cluster, set before anything is placed
+        self.gpu_groups: dict[int, Group] = {}  # colocated layouts: plan node -> its GPU group
+        self.gpu_ids: dict[tuple[int, str], str] = {}  # (plan node, plan device) -> the id Ray gave its bundle
 
     def bundle(self, kind: str) -> dict:
-        r = getattr(self.rcfg, kind)
-        return r.bundle(self.run.generator.tensor_parallel_size if kind == "generator" else 1)
+        return self.devices.actor_bundle(kind)
 
     def demands(self) -> list[tuple[str, list[dict], str]]:
-        """(role, one bundle per process, strategy) for every role of the run."""
+        """(role, one bundle per process, strategy) for every role of the run, and the GPU groups."""
         r = self.run.run
         counts = {"buffer": 1, "weight_sync": 1, "scorer": r.num_scorers, "generator": r.num_generators,
                   "learner": r.learner_ranks}
-        return [(k, [self.bundle(k)] * n, getattr(self.rcfg, k).strategy) for k, n in counts.items()]
+        out = [(k, [self.bundle(k)] * n, getattr(self.rcfg, k).strategy) for k, n in counts.items()
+               if not self.devices.seated(k)]
+        return out + [(self.gpu_group_name(k), bundles, "STRICT_PACK") for k, _, bundles in self.devices.gpu_bundles()]
+
+    def gpu_group_name(self, k: int) -> str:
+        return f"gpus of {self.devices.plan.nodes[k].name}"
 
     def alive_nodes(self) -> list[dict]:
         return [dict(n["Resources"]) for n in self.ray.nodes() if n.get("Alive")]
@@ -83,9 +96,52 @@ class Placement:
         return g
 
     def place_all(self) -> dict[str, Group]:
-        """Every role's group, before any role starts."""
-        return {kind: self.place(kind, bundles, strategy, self.rcfg.placement_timeout_s)
-                for kind, bundles, strategy in self.demands()}
+        """Every role's group and the GPU groups, before any role starts; the GPU ids of the latter."""
+        seated = {k for k in ("buffer", "weight_sync", "scorer", "generator", "learner") if self.devices.seated(k)}
+        groups = {kind: self.place(kind, bundles, strategy, self.rcfg.placement_timeout_s)
+                  for kind, bundles, strategy in self.demands() if kind not in seated and not kind.startswith("gpus of")}
+        for k, used, bundles in self.devices.gpu_bundles():
+            g = self.place(self.gpu_group_name(k), bundles, "STRICT_PACK", self.rcfg.placement_timeout_s)
+            g.devices = used
+            self.gpu_groups[k] = g
+            for d, gpu in zip(used, self.probe(g)):
+                self.gpu_ids[(k, d)] = gpu
+        return groups
+
+    def probe(self, group: Group) -> list[str]:
+        """The GPU id Ray gave each bundle of `group`: a task that reserves the bundle's GPU asks
+        `ray.get_gpu_ids()` (a bundle keeps its GPU for its life: launch/ray_devices.py)."""
+        import os
+
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        from launch.roles import ROOT
+
+        def bundle_gpu() -> list[str]:
+            import ray
+
+            return [str(g) for g in ray.get_gpu_ids()]
+
+        task = self.ray.remote(bundle_gpu)
+        env = {"env_vars": {"PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}}
+        refs = [task.options(num_cpus=0, num_gpus=1, runtime_env=env, scheduling_strategy=PlacementGroupSchedulingStrategy(
+            group.pg, placement_group_bundle_index=i)).remote() for i in range(len(group.bundles))]
+        ids = self.ray.get(refs, timeout=self.rcfg.placement_timeout_s)
+        bad = [(d, i) for d, i in zip(group.devices, ids) if len(i) != 1]
+        if bad:
+            raise ResourceError(f"{group.role}: a {{GPU: 1}} bundle reported GPU ids {bad[0][1]} (device {bad[0][0]})")
+        return [i[0] for i in ids]
+
+    def seat_slot(self, seat) -> Slot:
+        """Where a process of a colocated layout goes: the bundle of its first planned device (no GPU
+        reserved: its CUDA_VISIBLE_DEVICES comes from `gpu_ids`)."""
+        g = self.gpu_groups[seat.node]
+        i = g.devices.index(seat.devices[0])
+        return Slot(g.pg, i, self.bundle(seat.kind), g)
+
+    def seat_gpus(self, seat) -> list[str]:
+        """The GPU ids Ray gave the bundles of `seat`'s planned devices."""
+        return [self.gpu_ids[(seat.node, d)] for d in seat.devices]
 
     def node_ip(self, group: Group, index: int = 0) -> str:
         """The IP of the node that holds bundle `index` of a placed group ("" if none does now)."""
@@ -129,3 +185,4 @@ class Placement:
         for g in self.groups:
             remove_placement_group(g.pg)
         self.groups = []
+        self.gpu_groups, self.gpu_ids = {}, {}

@@ -1,11 +1,14 @@
 """One attempt of a `launch.ray` run: start the planned roles on their bundles, supervise, stop all.
 
-1. `launch`: the controller actor first (its name refuses a second run of the same name), every
-   role's placement group (launch/ray_placement.py), then the roles of `launch.roles.plan` in
+1. `launch`: the run's device plan on the cluster's alive nodes (launch/ray_devices.py: a run
+   that does not fit is refused with the numbers), the controller actor (its name refuses a
+   second run of the same name), every role's placement group and, in a colocated layout, the
+   GPU groups (launch/ray_placement.py), then the roles of `launch.roles.plan` in
    order: buffer and weight-sync service (each on its node's IP and free ports, discovered, then
    tied into every section that dials them; `run.curve auto` is decided from those IPs), scorers,
-   generators, learner ranks (the rendezvous in their env). The services and learner rank 0 must
-   write their ready files.
+   generators, learner ranks (the rendezvous in their env), each with the GPUs the plan gives it
+   (CUDA_VISIBLE_DEVICES: the ids Ray gave it or its devices' bundles; "" for none on a GPU
+   cluster). The services and learner rank 0 must write their ready files.
 2. `supervise`, every `ray.poll_s`: restart what is due, poll each process (exit code, ready
    record), decide what an exit means (`launch.roles.after_exit`: a generator or scorer is
    restarted while it has `ray.max_restarts` left; a learner rank, the buffer or the weight-sync
@@ -47,6 +50,8 @@ class Proc:
 
     spec: RoleSpec
     slot: Slot | None = None
+    seat: Any = None  # its entry in the device plan (launch/devices.py Placement): devices, share
+    gpus: list = field(default_factory=list)  # the GPU ids it was given on its node
     env: dict = field(default_factory=dict)  # on top of the spec's (a learner rank's rendezvous)
     actor: Any = None
     node: dict = field(default_factory=dict)
@@ -85,6 +90,7 @@ class RayRun:
         self.restart_policy = RestartPolicy(rcfg.max_restarts, rcfg.restart_delay_s)
         self.procs: list[Proc] = []
         self.placement = Placement(ray, rcfg, run, self.run_name, attempt)
+        self.devices = None  # RayDevices: the device plan on this cluster, made by `launch`
         self.controller = None
         self.actor_names: list[str] = []  # every named actor of this attempt, the controller included
         self.next_generator = 0
@@ -100,7 +106,7 @@ class RayRun:
     def new_actor(self, proc: Proc) -> None:
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-        b = proc.slot.bundle
+        b = proc.slot.bundle  # (no GPU in a colocated layout's seat: the GPU group holds them)
         opts: dict[str, Any] = {
             "num_cpus": b.get("CPU", 0.0), "num_gpus": b.get("GPU", 0.0), "max_concurrency": 8, "max_restarts": 0,
             "scheduling_strategy": PlacementGroupSchedulingStrategy(proc.slot.pg, placement_group_bundle_index=proc.slot.index),
@@ -120,17 +126,31 @@ class RayRun:
         for n in self.ray.nodes():
             if n["NodeID"] == proc.node["node_id"] and n.get("NodeManagerAddress"):
                 proc.node["ip"] = n["NodeManagerAddress"]
+        proc.gpus = (self.placement.seat_gpus(proc.seat) if proc.seat is not None and self.devices.seated(proc.spec.kind)
+                     else list(proc.node["gpu_ids"]))
+        if self.devices.gpu_cluster:  # ("": an actor that reserved none would otherwise see every GPU)
+            proc.env["CUDA_VISIBLE_DEVICES"] = ",".join(proc.gpus)
 
-    def add(self, spec: RoleSpec, slot: Slot) -> Proc:
-        p = Proc(spec, slot=slot)
+    def add(self, spec: RoleSpec, slot: Slot, seat=None) -> Proc:
+        """A role process on `slot`, in its `seat` of the device plan (its share; its GPUs in a
+        colocated layout), with its actor."""
+        p = Proc(self.devices.fit(spec, seat), slot=slot, seat=seat)
         self.new_actor(p)
         self.procs.append(p)
         return p
 
-    def add_generator(self, slot: Slot) -> Proc:
+    def slot_for(self, spec: RoleSpec, groups: dict) -> tuple[Slot, Any]:
+        """(where a planned role process goes, its seat in the device plan)."""
+        seat = self.devices.seat(spec.name)
+        if seat is not None and self.devices.seated(spec.kind):
+            return self.placement.seat_slot(seat), seat
+        return self.placement.take(groups[spec.kind]), seat
+
+    def add_generator(self, slot: Slot, seat=None) -> Proc:
         i = self.next_generator
         self.next_generator += 1
-        return self.add(generator_spec(self.run, i, "ray", self.restart_policy), slot)
+        return self.add(generator_spec(self.run, i, "ray", self.restart_policy), slot,
+                        seat if seat is not None else self.devices.seat(f"generator-{i}"))
 
     # ---- starting --------------------------------------------------------------------------
 
@@ -175,7 +195,7 @@ class RayRun:
 
     def rendezvous(self, ranks: list[Proc]) -> None:
         """Rank 0's node and a free port there; local ranks counted per node; each rank sees its
-        node's learner GPUs, in local-rank order, and takes its own."""
+        node's learner GPUs, in local-rank order, and takes its own (LOCAL_RANK)."""
         master = ranks[0]
         port = self.ray.get(master.actor.free_ports.remote(1))
         by_node: dict[str, list[Proc]] = {}
@@ -186,9 +206,9 @@ class RayRun:
             p.env = {"MASTER_ADDR": master.node["ip"], "MASTER_PORT": str(port), "RANK": str(rank),
                      "WORLD_SIZE": str(len(ranks)), "LOCAL_RANK": str(local.index(p)),
                      "LOCAL_WORLD_SIZE": str(len(local))}
-            gpus = [g for q in local for g in q.node["gpu_ids"]]
+            gpus = [g for q in local for g in q.gpus]
             if gpus:
-                p.env["CUDA_VISIBLE_DEVICES"] = ",".join(gpus)
+                p.env["CUDA_VISIBLE_DEVICES"] = ",".join(dict.fromkeys(gpus))  # (colocated ranks: no repeats)
 
     def launch(self) -> None:
         """Place every role (all or nothing, before any starts), then start them in order: buffer,
@@ -196,6 +216,7 @@ class RayRun:
         from launch.ray_roles import CONTROLLER_PREFIX
 
         r = self.run.run
+        self.devices = self.placement.devices = self.plan_devices()
         if self.rcfg.check_resources:
             check_resources(self.placement.demands(), self.placement.alive_nodes())
         name = CONTROLLER_PREFIX + self.run_name
@@ -222,13 +243,13 @@ class RayRun:
         specs = plan(self.run, "ray", self.restart_policy)
         for spec in specs:
             if spec.kind in ("buffer", "weight_sync"):
-                self.start_service(self.add(spec, self.placement.take(groups[spec.kind])),
-                                   4 if spec.kind == "buffer" else 1)
+                self.start_service(self.add(spec, *self.slot_for(spec, groups)), 4 if spec.kind == "buffer" else 1)
             elif spec.kind == "scorer":
-                self.start(self.add(spec, self.placement.take(groups["scorer"])))
+                self.start(self.add(spec, *self.slot_for(spec, groups)))
             elif spec.kind == "generator":
-                self.start(self.add_generator(self.placement.take(groups["generator"])))
-        ranks = [self.add(spec, self.placement.take(groups["learner"])) for spec in specs if spec.kind == "learner"]
+                self.next_generator += 1
+                self.start(self.add(spec, *self.slot_for(spec, groups)))
+        ranks = [self.add(spec, *self.slot_for(spec, groups)) for spec in specs if spec.kind == "learner"]
         self.rendezvous(ranks)
         refs = [self.start(p, wait=False) for p in ranks]
         for p, ref in zip(ranks, refs):
@@ -241,6 +262,22 @@ class RayRun:
         self.say(f"run {self.run_dir}: {r.mode}, {r.num_generators} generator(s), {r.num_scorers} scorer(s), "
                  f"{r.learner_ranks} learner rank(s) on {len(self.placement.alive_nodes())} node(s){resumed}; "
                  f"logs in {self.run_dir / 'logs'} on each role's node; controller {name!r}")
+
+    def plan_devices(self):
+        """The run's device plan on the cluster's alive nodes (ResourceError with the numbers when
+        it does not fit); its table goes to <run_dir>/device_plan.txt."""
+        from launch.ray_devices import RayDevices, cluster_nodes
+
+        r = self.run.run
+        listed = self.ray.nodes()
+        nodes, notes = cluster_nodes(listed, r.gpus, r.gpu_memory_gb)
+        devices = RayDevices.make(self.run, self.rcfg, nodes, notes,
+                                  any(n.get("Alive") and n["Resources"].get("GPU", 0) for n in listed))
+        text = devices.plan.table() + "".join(f"  note: {n}\n" for n in notes)
+        (self.run_dir / "device_plan.txt").write_text(text)
+        if devices.gpu_cluster:
+            self.say(text.splitlines()[0] + f" (table: {self.run_dir / 'device_plan.txt'})")
+        return devices
 
     def go(self) -> int:
         """One attempt: place and start every role, write the resolved config, supervise."""

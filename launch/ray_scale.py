@@ -6,6 +6,12 @@ is freed. Scaling up takes a free bundle of the generators' group, else places a
 group (a short wait: the supervision loop is blocked meanwhile); a generator that does not fit is
 refused with a message, the controller is told the count the run stays at, and the run goes on.
 A new generator loads the learner's current weights before its first lease (actors/generator.py).
+
+GPUs (launch/ray_devices.py): in the separate layout a new generator's bundle reserves its own
+generator.tensor_parallel_size GPUs, with the planned engines' memory share. In a colocated
+layout the plan shared every GPU's memory out among the generators it planned: a new one can
+only take the seat (devices, share) of a planned generator whose process has stopped; with none
+free it is refused, saying so.
 """
 
 from __future__ import annotations
@@ -25,6 +31,12 @@ def active_generators(job: "RayRun") -> list:
     return [p for p in job.procs if p.spec.kind == "generator" and p.state in ACTIVE]
 
 
+def seats_in_use(job: "RayRun") -> list[str]:
+    """The planned generator seats a live process holds (NEW, RUNNING, RESTARTING or STOPPING)."""
+    return [p.seat.role for p in job.procs if p.spec.kind == "generator" and p.seat is not None
+            and p.state not in (State.DONE, State.STOPPED, State.FAILED)]
+
+
 def scale_to(job: "RayRun", wanted: int) -> None:
     active = active_generators(job)
     if wanted == len(active):
@@ -41,7 +53,19 @@ def scale_to(job: "RayRun", wanted: int) -> None:
         return
     placement = job.placement
     for _ in range(wanted - len(active)):
-        slot = placement.take_free("generator")
+        slot = None
+        seat = job.devices.scale_seat(seats_in_use(job))
+        if job.devices.seated("generator"):
+            if seat is None:
+                now = len(active_generators(job))
+                job.ray.get(job.controller.scale.remote(now))
+                job.say(f"scale: cannot add a generator: {job.devices.refuse_scale(now)}")
+                return
+            for old in [p for p in job.procs if p.seat is seat and p.actor is not None]:
+                job.retire(old)  # (its process has exited; its actor still holds CPUs in the seat's bundle)
+            slot = placement.seat_slot(seat)
+        else:
+            slot = placement.take_free("generator")
         try:
             if slot is None:
                 b = placement.bundle("generator")
@@ -49,7 +73,7 @@ def scale_to(job: "RayRun", wanted: int) -> None:
                     check_resources([("generator", [b], "PACK")], placement.alive_nodes())
                 group = placement.place("generator", [b], "PACK", min(30.0, job.rcfg.placement_timeout_s), keep=False)
                 slot = placement.take(group)
-            p = job.add_generator(slot)
+            p = job.add_generator(slot, seat)
             job.start(p)
         except ResourceError as e:
             if slot is not None:

@@ -84,7 +84,8 @@ class StatusFeed:
             "total_steps": run.learner.total_steps, "wall_s": round(time.monotonic() - job.t0, 1),
             "roles": [{"name": p.name, "kind": p.spec.kind, "state": p.state.value, "node": p.node.get("ip"),
                        "host": p.node.get("hostname"), "pid": p.pid, "restarts": p.restarts, "starts": p.starts,
-                       "code": p.code, "ready": p.ready, "waiting_for_node": p.waiting} for p in job.procs],
+                       "code": p.code, "ready": p.ready, "waiting_for_node": p.waiting, "gpus": p.gpus}
+                      for p in job.procs],
             **extra,
         }
 

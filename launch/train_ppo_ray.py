@@ -15,7 +15,9 @@ behaviour-policy correction, one sample per prompt, OpenRLHF's batch sizes, Adam
 with a cosine schedule and 3% warm-up, bf16, `input` prompts without the chat template. Every
 flag given on the command line wins over these. Placement not given is one process per role
 (OpenRLHF would ask for 8 GPUs each): pass the `--*_num_gpus_per_node` flags as there. Conveyor's own keys (`--ray.*`,
-`--learner.*`, ...) and a YAML file (`--config FILE`) work too.
+`--learner.*`, ...) and a YAML file (`--config FILE`) work too. OpenRLHF's colocation flags set
+`run.placement` (`--colocate_all_models`: colocate); `--plan` prints the device plan and exits
+(`CONVEYOR_FAKE_GPUS=8`: as on one node of 8 GPUs), as `launch.ray --plan` does.
 """
 
 from __future__ import annotations

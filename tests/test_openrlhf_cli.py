@@ -250,9 +250,9 @@ def test_quick_start_parses_through_launch_local_and_launch_ray(files):
         assert (r.buffer.prompts_per_step, r.learner.num_mini_batches, r.learner.gradient_accumulation_steps) == (8, 2, 4)
         assert (r.generator.groups_per_lease, r.generator.prompt_max_len, r.generator.max_new_tokens) == (4, 64, 16)
         assert r.learner.ppo_epochs == 1 and r.generator.tensor_parallel_size == 1
-    # on Ray the placement flags reserve a GPU per process where the cluster has GPUs
-    assert rcfg.learner.gpus_if_available == rcfg.generator.gpus_if_available == rcfg.scorer.gpus_if_available == 1
-    assert rcfg.learner.bundle() == {"CPU": 1.0}  # no cluster joined (and this machine has none): CPUs
+    # on Ray the placement flags set process counts; GPUs come from the device plan (next test)
+    assert rcfg.learner.num_gpus == rcfg.generator.num_gpus == rcfg.scorer.num_gpus == 0
+    assert rcfg.learner.bundle() == {"CPU": 1.0}
 
     rcfg, big = on_ray(quick_start(files, "--actor_num_nodes", "2", "--actor_num_gpus_per_node", "2",
                                    "--reward_num_gpus_per_node", "3", "--train_batch_size", "32",
@@ -263,14 +263,42 @@ def test_quick_start_parses_through_launch_local_and_launch_ray(files):
         local(quick_start(files, "--actor_num_nodes", "2"))
 
 
-def test_ray_bundles_reserve_the_gpus_only_on_a_gpu_cluster(monkeypatch):
-    from launch import ray_config
+def test_ray_bundles_reserve_the_gpus_only_on_a_gpu_cluster(files):
+    from launch.devices import parse_fake
+    from launch.ray_devices import RayDevices
 
-    r = ray_config.RoleResources(gpus_if_available=1)
-    assert r.bundle(2) == {"CPU": 1.0}
-    monkeypatch.setattr(ray_config, "cluster_has_gpus", lambda: True)
-    assert r.bundle(2) == {"CPU": 1.0, "GPU": 2.0}  # x the engine's tensor-parallel size
-    assert ray_config.RoleResources(num_gpus=0.5, gpus_if_available=1).bundle() == {"CPU": 1.0, "GPU": 0.5}
+    rcfg, run = on_ray(quick_start(files, "--vllm_tensor_parallel_size", "2", "--scorer.device", "cuda"))
+    gpu = RayDevices.make(run, rcfg, parse_fake("8"))  # the separate layout: each process its planned GPUs
+    assert (gpu.actor_bundle("learner"), gpu.actor_bundle("generator"), gpu.actor_bundle("scorer")) == \
+        ({"CPU": 1.0, "GPU": 1.0}, {"CPU": 1.0, "GPU": 2.0}, {"CPU": 1.0, "GPU": 1.0})
+    assert gpu.actor_bundle("buffer") == {"CPU": 0.5}
+    cpu = RayDevices.make(run, rcfg, parse_fake("0"))  # a CPU cluster: the same command, every process on CPUs
+    assert all("GPU" not in cpu.actor_bundle(k) for k in ("learner", "generator", "scorer"))
+    rcfg, run = on_ray(quick_start(files, "--ray.generator.num_gpus", "0.5"))  # an explicit reservation wins
+    assert RayDevices.make(run, rcfg, parse_fake("8")).actor_bundle("generator") == {"CPU": 1.0, "GPU": 0.5}
+
+
+@pytest.mark.parametrize("flags, placement", [
+    (["--colocate_all_models"], "colocate"), (["--train.colocate_all"], "colocate"),
+    (["--colocate_actor_ref"], "colocate_scorers"), (["--train.colocate_actor_ref"], "colocate_scorers"),
+    (["--colocate_critic_reward"], "colocate_scorers"), (["--train.colocate_critic_reward"], "colocate_scorers"),
+    (["--colocate_actor_ref", "--train.colocate_all"], "colocate"),  # colocate_all wins, in either order
+    (["--colocate_all_models", "--train.colocate_critic_reward"], "colocate"),
+    (["--train.colocate_all", "false"], "auto"), ([], "auto"),
+    (["--colocate_critic_reward", "--run.placement", "separate"], "separate"),  # Conveyor's own key wins
+])
+def test_colocation_flags_set_run_placement_on_both_launchers(files, flags, placement):
+    assert local(files["base"] + flags).run.placement == placement
+    assert on_ray(files["base"] + flags)[1].run.placement == placement
+
+
+def test_sleep_flags_are_accepted_and_say_time_sharing_is_not_done(files):
+    from launch.openrlhf import spec
+
+    for name in ("vllm.enable_sleep", "ds.enable_sleep", "vllm_enable_sleep", "deepspeed_enable_sleep"):
+        assert not spec(name).targets and not spec(name).refused and "time-sharing" in spec(name).why
+    run = local(files["base"] + ["--vllm.enable_sleep", "--deepspeed_enable_sleep", "--colocate_all_models"])
+    assert run.run.placement == "colocate"
 
 
 def test_drop_in_takes_openrlhf_defaults_and_the_users_flags_win(files):
