@@ -12,9 +12,10 @@ object with the rounds' stats.
 
 `--backend nccl` needs three GPUs, one per rank (NCCL refuses two ranks on one device): the sender
 takes GPU 0, the members GPUs 1 and 2 (each process gets its own CUDA_VISIBLE_DEVICES). With
-torch's default `TORCH_NCCL_ASYNC_ERROR_HANDLING=3`, a collective that times out tears its whole
-process down (torch/csrc/distributed/c10d/ProcessGroupNCCL.cpp, the watchdog): that is what this
-checks the sender against. `--backend gloo` runs on CPUs.
+torch's default `TORCH_NCCL_ASYNC_ERROR_HANDLING=3` (SkipCleanUp in ProcessGroupNCCL.hpp's
+ErrorHandlingMode; torch's docs: "tearing down process without cleaning up NCCL communicator"), a
+collective the watchdog finds timed out ends its whole process: that is what this checks the
+sender against. `--backend gloo` runs on CPUs.
 """
 
 from __future__ import annotations
