@@ -23,8 +23,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT))  # first, even when PYTHONPATH has it: bench/weight_sync.py would shadow the package
 
 MODELS = {"tiny": dict(num_layers=2, hidden_size=128), "large": dict(num_layers=8, hidden_size=512)}
 

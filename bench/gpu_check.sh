@@ -16,7 +16,9 @@
 #     broadcast rounds, and same-host rounds from a slot on the learner's device by CUDA IPC);
 #  8. a member killed mid-broadcast (bench/killed_member.py): the learner's sender survives and the
 #     next round reaches the other member, over gloo, and over NCCL where there are 3 GPUs (one per
-#     rank: NCCL refuses two ranks on one device);
+#     rank: NCCL refuses two ranks on one device); on one GPU, a weight-sync NCCL group whose peer
+#     never comes (bench/absent_peer.py): the round fails by its deadline and the process outlives
+#     the NCCL watchdog;
 #  9. vLLM's V2 model runner (the default on GPU in vLLM 0.33: VLLM_USE_V2_MODEL_RUNNER, read in
 #     vllm/envs.py and vllm/config/vllm.py `use_v2_model_runner`) and the V1 runner, each a short
 #     greedy generation through the project's engine (actors/vllm_engine.py), both recorded;
@@ -158,6 +160,13 @@ else
     --intermediate $INTER --reps 3
 fi
 step "killed member (gloo)" 180 $PY bench/killed_member.py --backend gloo --timeout 60
+# one GPU: a weight-sync NCCL group whose peer never comes fails the round by its deadline, and the
+# learner's process outlives the collective's timeout and the NCCL watchdog's pause (80 s)
+if [ $SMOKE = 1 ]; then
+  step "absent peer (gloo)" 60 $PY bench/absent_peer.py --backend gloo --deadline 3 --survive 2
+else
+  step "absent peer (nccl, the learner survives)" 180 $PY bench/absent_peer.py --backend nccl --deadline 5 --survive 80
+fi
 if [ $SMOKE = 1 ]; then
   skip "killed member (nccl)" "no GPU"
 elif [ "$GPUS" -ge 3 ]; then

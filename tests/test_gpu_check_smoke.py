@@ -14,8 +14,8 @@ from tests.conftest import ROOT, subprocess_env
 # every step of the script, in its order; the GPU-only ones are skipped here
 STEPS = ["nvidia-smi", "make install (dry run)", "CUDA check (scripts/check_cuda.py)", "build model", "device plan",
          "generation vLLM vs transformers", "learner step", "CUDA IPC slot", "weight rounds (no vLLM on CPU)",
-         "killed member (gloo)", "killed member (nccl)", "vLLM V2 model runner", "vLLM V1 model runner",
-         "demo (2 steps, async)"]
+         "killed member (gloo)", "absent peer (gloo)", "killed member (nccl)", "vLLM V2 model runner",
+         "vLLM V1 model runner", "demo (2 steps, async)"]
 GPU_ONLY = {"nvidia-smi", "CUDA check (scripts/check_cuda.py)", "killed member (nccl)", "vLLM V2 model runner",
             "vLLM V1 model runner"}
 
