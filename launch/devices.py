@@ -385,7 +385,8 @@ def learner_gb(size: ModelSize, ranks: int, zero: int, dtype: str, lora: bool) -
 def demand_of(run) -> Demand:
     """The run's demand: process counts from `run:`, sizes from the model folders."""
     r, g, s, l, w = run.run, run.generator, run.scorer, run.learner, run.weight_sync
-    vllm = g.engine == "vllm"
+    # a vLLM engine, or the debugging transformers backend on a CUDA device, takes devices
+    vllm = g.engine == "vllm" or str(g.device).startswith("cuda")
     gpu_scorers = r.num_scorers if str(s.device).startswith("cuda") else 0
     policy = model_size(l.model_path, r.model_params_b)
     checked = policy is not None
