@@ -20,6 +20,7 @@ VLLM_WHEEL ?=
 TORCH_INDEX ?= https://download.pytorch.org/whl
 TORCH_GPU = $(shell sed -n 's/^torch==\([^ ]*\).*/\1/p' requirements/gpu.txt)
 TORCHVISION_GPU = $(shell sed -n 's/^torchvision==\([^ ]*\).*/\1/p' requirements/gpu.txt)
+TORCHAUDIO_GPU = $(shell sed -n 's/^torchaudio==\([^ ]*\).*/\1/p' requirements/gpu.txt)
 STAMP  := $(VENV)/.installed-$(STACK)$(if $(and $(filter gpu,$(STACK)),$(TORCH_CUDA)),-$(TORCH_CUDA))
 # PyTorch's CPU wheels live on their own index; it is consulted only when the default indexes lack them.
 TORCH_CPU_INDEX ?= https://download.pytorch.org/whl/cpu
@@ -46,8 +47,9 @@ ifeq ($(STACK),cpu)
 endif
 ifeq ($(STACK),gpu)
 ifneq ($(TORCH_CUDA),)
-	# torch and torchvision of one CUDA build: a PyPI torchvision (CUDA 13) beside them breaks its imports
-	$(PIP) install -q --index-url $(TORCH_INDEX)/$(TORCH_CUDA) "torch==$(TORCH_GPU)" "torchvision==$(TORCHVISION_GPU)"
+	# torch, torchvision and torchaudio of one CUDA build: a PyPI one (CUDA 13) beside them breaks its imports
+	$(PIP) install -q --index-url $(TORCH_INDEX)/$(TORCH_CUDA) "torch==$(TORCH_GPU)" "torchvision==$(TORCHVISION_GPU)" \
+		"torchaudio==$(TORCHAUDIO_GPU)"
 endif
 ifneq ($(VLLM_WHEEL),)
 	$(PIP) install -q "$(VLLM_WHEEL)"

@@ -114,6 +114,7 @@ class _VLLMBackend(Engine):
             else "packed"
         use_cpu_linear()  # (for an engine core in this process)
         self.has_extension = "worker_extension_cls" in kwargs
+        self.tensor_parallel_size = tensor_parallel_size
         self.version = 0
         # LoRA: where adapter rounds are written, and the request every prompt names (None: no LoRA)
         self.lora_folder = tempfile.mkdtemp(prefix="conveyor-lora-") if lora_rank else ""
@@ -131,6 +132,22 @@ class _VLLMBackend(Engine):
 
     def _rpc(self, method: str, args: tuple) -> list:
         raise NotImplementedError
+
+    def _ranks_agree(self, error: BaseException) -> None:
+        """After a failed round: on a tensor-parallel engine, a worker that loaded the round while
+        another was left out (each rank is a member of its own) leaves shards of two versions:
+        then "weights damaged", which stops the generator (`weight_sync.receiver.fatal`) rather
+        than serve them. Returns when every worker holds the same version."""
+        if self.tensor_parallel_size < 2:
+            return
+        try:
+            held = [int(v) for v in self._rpc("held_version", ())]
+        except Exception as e:  # a worker that cannot answer: its weights are unknown
+            raise RuntimeError(f"weights damaged: after a failed round ({error}) the workers could not say "
+                               f"which version they hold ({e})") from error
+        if len(set(held)) > 1:
+            raise RuntimeError(f"weights damaged: after a failed round ({error}) the tensor-parallel workers hold "
+                               f"versions {held}") from error
 
     def _round(self, info) -> RoundInfo:
         if not self.has_extension:
@@ -167,8 +184,12 @@ class VLLMEngine(_VLLMBackend):
         info = self._round(info)
         # Only the round (plain data) crosses collective_rpc; the tensors come over the round's own
         # process group, straight into the workers (actors/vllm_worker.py).
-        stats = self.llm.collective_rpc("receive_weights", timeout=rpc_timeout(info),
-                                        args=(to_builtins(info), self.lora_folder))[0]
+        try:
+            stats = self.llm.collective_rpc("receive_weights", timeout=rpc_timeout(info),
+                                            args=(to_builtins(info), self.lora_folder))[0]
+        except Exception as e:
+            self._ranks_agree(e)
+            raise
         # Cached prefix blocks hold keys/values the old weights computed: a new prompt must not reuse
         # them. Nothing runs between batches, so the reset succeeds.
         self.llm.reset_prefix_cache()
@@ -303,7 +324,11 @@ class AsyncVLLMEngine(_VLLMBackend):
     def receive_weights(self, info: RoundInfo) -> dict:
         """Load a round. In `interrupt` mode around the batch in flight (if any): pause, load,
         relabel, resume; otherwise (`finish`) the caller calls this between batches."""
-        return self._run(self._receive(self._round(info)))
+        try:
+            return self._run(self._receive(self._round(info)))
+        except Exception as e:
+            self._ranks_agree(e)
+            raise
 
     async def _receive(self, info: RoundInfo) -> dict:
         # the label is the policy version, set while the scheduler is paused (see the class docstring)

@@ -75,7 +75,19 @@ class WorkerExtension:
         self.model_runner.lora_manager.add_dummy_lora(req, rank)
         self.model_runner.pin_lora(req.lora_int_id)
 
+    def held_version(self) -> int:
+        """The version this worker last loaded whole (0: the weights it started with). A
+        tensor-parallel engine whose round failed asks every worker: ranks that disagree hold
+        shards of two versions (`actors.vllm_engine._VLLMBackend._ranks_agree`)."""
+        return int(getattr(self, "_conveyor_version", 0))
+
     def receive_weights(self, round_info: dict, lora_folder: str = "") -> dict:
+        """`_receive_weights`, and the version this worker then holds (`held_version`)."""
+        stats = self._receive_weights(round_info, lora_folder)
+        self._conveyor_version = int(stats.get("version", round_info.get("version", 0)))
+        return stats
+
+    def _receive_weights(self, round_info: dict, lora_folder: str = "") -> dict:
         """Receive a weight round and load it in place; returns stats (version, bytes, seconds).
 
         A same-host round through shared memory (or, for a CUDA worker, the sender's device slot

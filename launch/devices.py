@@ -24,8 +24,9 @@ GPUs (no CUDA call), so every layout is tested on a CPU machine:
              learner rank   ZeRO/Adam: weights (dtype) + gradients (dtype) + Adam (fp32 master when
                             not fp32, m, v), each divided by the ranks from the ZeRO stage that
                             shards it; LoRA: the frozen weights only; a critic the same again;
-                            rank 0 also the weight-sync device slot when generators share its node
-                            (weight_sync.same_host=broadcast drops it); plus ACTIVATION_GB + CONTEXT_GB
+                            rank 0 also two weight-sync buckets while it sends, and the device slot
+                            when an engine shares its GPU (weight_sync.same_host=broadcast drops
+                            it); plus ACTIVATION_GB + CONTEXT_GB
              engine         its share of the device (vLLM pre-allocates it), which must hold the
                             weights / TP, one max_model_len sequence of KV cache and ACTIVATION_GB;
                             the weight round's receive area (2 x weight_sync.bucket_mb) and a CUDA
@@ -74,9 +75,10 @@ class PlanError(ValueError):
 
 @dataclass(frozen=True)
 class Gpu:
-    index: str  # the id CUDA_VISIBLE_DEVICES takes on its node ("0", "3", or a UUID)
+    index: str  # the id CUDA_VISIBLE_DEVICES takes on its node (nvidia-smi's index)
     memory_gb: float
     name: str = ""
+    uuid: str = ""
 
 
 @dataclass
@@ -191,7 +193,7 @@ def nvidia_smi() -> list[Gpu]:
     if not shutil.which("nvidia-smi"):
         return []
     try:
-        out = subprocess.run(["nvidia-smi", "--query-gpu=index,memory.total,name", "--format=csv,noheader,nounits"],
+        out = subprocess.run(["nvidia-smi", "--query-gpu=index,uuid,memory.total,name", "--format=csv,noheader,nounits"],
                              capture_output=True, text=True, timeout=30)
     except (OSError, subprocess.TimeoutExpired):
         return []
@@ -200,45 +202,57 @@ def nvidia_smi() -> list[Gpu]:
     gpus = []
     for line in out.stdout.strip().splitlines():
         parts = [p.strip() for p in line.split(",")]
-        if len(parts) >= 3 and parts[0].isdigit():
-            gpus.append(Gpu(parts[0], float(parts[1]) / 1024, parts[2]))
+        if len(parts) >= 4 and parts[0].isdigit():
+            gpus.append(Gpu(parts[0], float(parts[2]) / 1024, parts[3], parts[1]))
     return gpus
+
+
+def cpu_torch() -> bool:
+    """Whether the installed torch is a CPU build (`make install STACK=cpu` on a GPU machine): then
+    no role can use the GPUs nvidia-smi lists. Read from the package's version, without importing it."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("torch").endswith("+cpu")
+    except PackageNotFoundError:
+        return False
 
 
 def local_gpus(gpus: str = "auto", memory_gb: float = 0.0, environ=None) -> list[Node]:
     """This machine's GPUs for a run (`run.gpus`: `auto`, `none` or a list such as "0,1,2,3"), as
-    one node; `memory_gb` overrides what each reports (0: as found)."""
+    one node; `memory_gb` overrides what each reports (0: as found).
+
+    Only the GPUs the launcher itself may use: with CUDA_VISIBLE_DEVICES set (a scheduler's share
+    of the machine, indices or UUIDs), those, in that order. Each keeps nvidia-smi's index, which
+    is what the roles' own CUDA_VISIBLE_DEVICES name (with CUDA_DEVICE_ORDER=PCI_BUS_ID, so that
+    CUDA counts as nvidia-smi does)."""
     environ = os.environ if environ is None else environ
     fake = environ.get(FAKE_ENV, "").strip()
     if gpus.strip() == "none":
         return [Node("local", [])]
     if fake:
         found = parse_fake(fake)[0].gpus
+    elif cpu_torch():
+        return [Node("local", [])]
     else:
         found = nvidia_smi()
+    outer = [x.strip() for x in environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if x.strip()]
+    if "CUDA_VISIBLE_DEVICES" in environ:
+        by_id = {**{g.index: g for g in found}, **{g.uuid: g for g in found if g.uuid}}
+        found = [by_id[x] for x in outer if x in by_id]  # ("" or "-1": none at all)
     by_index = {g.index: g for g in found}
     if gpus.strip() not in ("", "auto"):
         wanted = [x.strip() for x in gpus.split(",") if x.strip()]
+        unknown = [i for i in wanted if i not in by_index]
+        if unknown and found:
+            raise PlanError(f"run.gpus={gpus!r}: no GPU {', '.join(unknown)} here (this launcher may use "
+                            f"{', '.join(by_index) or 'none'})")
         chosen = [by_index.get(i, Gpu(i, memory_gb or 0.0)) for i in wanted]
     else:
         chosen = found
     if memory_gb:
-        chosen = [Gpu(g.index, memory_gb, g.name) for g in chosen]
+        chosen = [Gpu(g.index, memory_gb, g.name, g.uuid) for g in chosen]
     return [Node("local", chosen)]
-
-
-def visible_ids(indices: list[str], environ=None) -> str:
-    """CUDA_VISIBLE_DEVICES for a role that gets node devices `indices` (nvidia-smi's numbering),
-    as seen through the launcher's own CUDA_VISIBLE_DEVICES, when it sets one: a role of a
-    launcher restricted to "4,5,6,7" given the plan's "0" gets "4"... unless the plan already
-    names devices from that list (run.gpus), which are passed as they are."""
-    environ = os.environ if environ is None else environ
-    outer = [x.strip() for x in environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if x.strip()]
-    if not outer or environ.get(FAKE_ENV):
-        return ",".join(indices)
-    if all(i in outer for i in indices):
-        return ",".join(indices)
-    return ",".join(outer[int(i)] if i.isdigit() and int(i) < len(outer) else i for i in indices)
 
 
 # ---- the plan -----------------------------------------------------------------------------------
@@ -287,14 +301,15 @@ class DevicePlan:
                 out.setdefault((p.node, d), []).append(p)
         return out
 
-    def env(self, role: str, environ=None) -> dict[str, str]:
+    def env(self, role: str) -> dict[str, str]:
         """What role process `role` gets in its environment (CUDA_VISIBLE_DEVICES and its share)."""
         if self.layout == "cpu":
             return {}
         p = self.of(role)
         if p is None or not p.devices:
             return {"CUDA_VISIBLE_DEVICES": ""}  # the services, a CPU scorer: no device at all
-        env = {"CUDA_VISIBLE_DEVICES": visible_ids(p.devices, environ)}
+        # (PCI bus order: CUDA's own default, fastest first, need not be nvidia-smi's on a mixed node)
+        env = {"CUDA_VISIBLE_DEVICES": ",".join(p.devices), "CUDA_DEVICE_ORDER": "PCI_BUS_ID"}
         if p.kind in ("learner", "scorer") and p.share and p.share < 1.0:
             env[FRACTION_ENV] = f"{p.share:.3f}"
         return env
@@ -352,7 +367,7 @@ class Demand:
     engine_share: float = 0.0  # generator.gpu_memory_utilization; 0 = decide
     learner_gb: tuple[float, ...] = ()  # per rank, estimated
     learner_parts: str = ""
-    slot_gb: float = 0.0  # rank 0's weight-sync device slot, when generators share its node
+    slot_gb: float = 0.0  # rank 0's weight-sync device slot, when an engine shares its GPU
     engine_need_gb: float = 0.0  # what an engine's share must hold (per device)
     engine_parts: str = ""
     engine_extra_gb: float = 0.0  # outside the share: receive area, context
@@ -525,8 +540,9 @@ def make_plan(d: Demand, nodes: list[Node], placement: str = "auto") -> DevicePl
         taken |= {(k, g.index) for g in block}
         gens.append(Placement(f"generator-{i}", "generator", k, [g.index for g in block], need_gb=d.engine_need_gb,
                               parts=d.engine_parts))
-    if d.slot_gb and any(g.node == learner0.node and g.devices for g in gens):
-        # the slot that same-host engines map by CUDA IPC (made once one asks: weight_sync/shm.py)
+    if d.slot_gb and any(g.node == learner0.node and set(g.devices) & set(learner0.devices) for g in gens):
+        # the slot an engine on rank 0's own GPU maps by CUDA IPC (made once one asks: weight_sync/shm.py;
+        # an engine on another GPU does not see rank 0's, and reads the host slot in /dev/shm)
         learner0.need_gb += d.slot_gb
         learner0.parts += f" + weight-sync slot {d.slot_gb:.1f} on rank 0 (weight_sync.same_host broadcast: none)"
     scorers: list[Placement] = []
@@ -650,4 +666,10 @@ def plan_run(run, nodes: list[Node] | None = None, environ=None) -> DevicePlan:
     nvidia-smi). `PlanError` when it does not fit."""
     if nodes is None:
         nodes = local_gpus(run.run.gpus, run.run.gpu_memory_gb, environ)
-    return make_plan(demand_of(run), nodes, run.run.placement)
+    plan = make_plan(demand_of(run), nodes, run.run.placement)
+    if plan.layout != "cpu":
+        for key, device in (("scorer.device", run.scorer.device), ("generator.device", run.generator.device)):
+            if str(device).startswith("cuda:"):
+                raise PlanError(f"{key}={device!r}: the plan gives each process its own GPU(s), which it sees as "
+                                f"cuda:0 on; set {key} cuda")
+    return plan

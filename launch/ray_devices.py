@@ -50,6 +50,7 @@ from launch.devices import FAKE_ENV, DevicePlan, Gpu, Node, Placement as Seat, P
     make_plan, parse_fake
 from launch.ray_config import ResourceError
 from launch.roles import RoleSpec, place
+from weight_sync.round import nccl_env
 
 DEFAULT_GPU_GB = 80.0  # a cluster GPU's memory for the plan when run.gpu_memory_gb does not say
 SHARED = ("colocate", "colocate_scorers")
@@ -115,6 +116,7 @@ class RayDevices:
     vllm: bool = True
     notes: list[str] = field(default_factory=list)
     gpu_cluster: bool = False  # the cluster has GPUs (whether or not the plan uses them: run.gpus none)
+    round_timeout_s: float = 120.0  # weight_sync.timeout_s: the bound of a weight-sync NCCL group's waits
 
     @classmethod
     def make(cls, run, rcfg, nodes: list[Node], notes: list[str] = (), gpu_cluster: bool | None = None) -> "RayDevices":
@@ -137,7 +139,7 @@ class RayDevices:
         vllm = run.generator.engine == "vllm"
         gpu_cluster = any(n.gpus for n in plan.nodes) if gpu_cluster is None else gpu_cluster
         return cls(plan, rcfg, run.generator.tensor_parallel_size if vllm else 1, vllm,
-                   [*notes, *scorer_note(run, plan)], gpu_cluster)
+                   [*notes, *scorer_note(run, plan)], gpu_cluster, run.weight_sync.timeout_s)
 
     @property
     def shared(self) -> bool:
@@ -225,9 +227,11 @@ class RayDevices:
         if seat is None:
             return spec
         if spec.name == seat.role:
-            place(spec, self.plan)
+            place(spec, self.plan, self.round_timeout_s)
         else:  # a generator added by `scale`, in a planned generator's seat (or like one)
             spec.argv = [*spec.argv, *self.plan.overrides(seat.role)]
+            if self.plan.layout != "cpu":
+                spec.env.update(nccl_env(self.round_timeout_s))
         spec.env = {k: v for k, v in spec.env.items() if k != "CUDA_VISIBLE_DEVICES"}
         return spec
 

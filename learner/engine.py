@@ -18,6 +18,7 @@ fine for models that fit in each rank's host memory.
 
 from __future__ import annotations
 
+import argparse
 import datetime
 import math
 import os
@@ -134,7 +135,11 @@ def _initialize(model: nn.Module, cfg: LearnerConfig, lr: float):
                                   weight_decay=cfg.weight_decay)
     total_updates = cfg.total_steps * cfg.updates_per_step
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg, total_updates))
-    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=scheduler,
+    # on CUDA, the device this rank took (`init_distributed`): DeepSpeed would otherwise set the
+    # device from LOCAL_RANK again (runtime/engine.py `_set_distributed_vars`), an ordinal that a
+    # rank given one GPU of its own does not have
+    args = argparse.Namespace(device_rank=torch.cuda.current_device()) if torch.cuda.is_initialized() else None
+    engine, _, _, _ = deepspeed.initialize(args=args, model=model, optimizer=optimizer, lr_scheduler=scheduler,
                                            config=deepspeed_config(cfg))
     return engine
 

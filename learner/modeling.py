@@ -40,7 +40,9 @@ def apply_memory_share(device) -> float:
     share (0: none)."""
     share = float(os.environ.get(MEMORY_SHARE_ENV, "0") or 0)
     if share and str(device).startswith("cuda"):
-        torch.cuda.set_per_process_memory_fraction(min(share, 1.0), torch.device(device))
+        d = torch.device(device)  # ("cuda" names no index, which this call refuses: the current device)
+        torch.cuda.set_per_process_memory_fraction(min(share, 1.0), d.index if d.index is not None
+                                                   else torch.cuda.current_device())
     return share
 
 

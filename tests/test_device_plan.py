@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from launch.devices import (GIB, USABLE, Demand, ModelSize, Node, Gpu, PlanError, learner_gb, local_gpus, make_plan,
-                            model_size, params_from_config, parse_fake, visible_ids)
+                            model_size, params_from_config, parse_fake)
 
 ROOT = Path(__file__).resolve().parents[1]
 REWARD = str(ROOT / "demo" / "arithmetic.py")
@@ -200,10 +200,22 @@ def test_fake_gpus_and_the_launcher_s_own_visible_devices():
     assert [g.index for g in local_gpus("2,3", environ={"CONVEYOR_FAKE_GPUS": "4"})[0].gpus] == ["2", "3"]
     with pytest.raises(PlanError):
         parse_fake("eight")
-    # a launcher restricted to 4-7: the plan's device 1 is physical 5; devices named from that list pass
-    assert visible_ids(["1"], {"CUDA_VISIBLE_DEVICES": "4,5,6,7"}) == "5"
-    assert visible_ids(["5", "6"], {"CUDA_VISIBLE_DEVICES": "4,5,6,7"}) == "5,6"
-    assert visible_ids(["0", "1"], {}) == "0,1"
+    with pytest.raises(PlanError, match="no GPU 9"):
+        local_gpus("1,9", environ={"CONVEYOR_FAKE_GPUS": "4"})
+
+
+def test_a_launcher_restricted_to_some_gpus_plans_on_those_alone():
+    # a scheduler gave the launcher GPUs 4-7 of 8: the plan uses those, under their own ids, each once
+    fake = {"CONVEYOR_FAKE_GPUS": "8", "CUDA_VISIBLE_DEVICES": "4,5,6,7"}
+    gpus = local_gpus("auto", environ=fake)
+    assert [g.index for g in gpus[0].gpus] == ["4", "5", "6", "7"]
+    plan = make_plan(demand(2, 1, 2), gpus)
+    ids = [dv for p in plan.placements for dv in p.devices]
+    assert sorted(ids) == ["4", "5", "6", "7"] and disjoint(plan)
+    assert plan.env("generator-0") == {"CUDA_VISIBLE_DEVICES": ",".join(plan.of("generator-0").devices),
+                                       "CUDA_DEVICE_ORDER": "PCI_BUS_ID"}
+    assert [g.index for g in local_gpus("auto", environ={**fake, "CUDA_VISIBLE_DEVICES": "1,3"})[0].gpus] == ["1", "3"]
+    assert local_gpus("auto", environ={**fake, "CUDA_VISIBLE_DEVICES": ""})[0].gpus == []
 
 
 # ---- the launcher: every role process's environment ---------------------------------------------------

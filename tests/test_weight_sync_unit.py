@@ -516,3 +516,27 @@ def test_the_hook_keeps_serving_old_weights_but_stops_on_damaged_ones_or_a_fatal
     with pytest.raises(RuntimeError, match="Fix: give /dev/shm room"):
         hook.apply(Engine(RuntimeError(str(RoundRefused(same_device_error(1, "u", "/dev/shm", 1 << 30, True))))), info)
     assert done == [(7, False)] * 4
+
+
+def test_a_tensor_parallel_engine_whose_ranks_disagree_after_a_failed_round_stops():
+    """Each tensor-parallel worker is a member of its own: one can load a round another was left
+    out of. After a failed round the engine asks every worker which version it holds; shards of two
+    versions are "weights damaged" (fatal), one version is the old weights (the round's error stands)."""
+    from actors.vllm_engine import _VLLMBackend
+    from weight_sync.receiver import fatal
+
+    class Workers(_VLLMBackend):  # the check alone, no engine behind it
+        generate = receive_weights = None
+
+    def engine(tp: int, held: list[int]):
+        e = object.__new__(Workers)
+        e.tensor_parallel_size = tp
+        e._rpc = lambda method, args: held if method == "held_version" else pytest.fail(method)
+        return e
+
+    left_out = RuntimeError("rank 1: left out of round 4 (attempt 0)")
+    with pytest.raises(RuntimeError) as err:
+        engine(2, [5, 4])._ranks_agree(left_out)
+    assert fatal(str(err.value)) and "[5, 4]" in str(err.value)
+    engine(2, [4, 4])._ranks_agree(left_out)  # every worker kept v4: nothing to stop for
+    engine(1, [])._ranks_agree(left_out)  # one worker: nothing to compare

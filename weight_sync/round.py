@@ -482,6 +482,9 @@ def abort_group(pg) -> None:
         log.debug("abort of a weight-sync group: %s", e)
 
 
+ABORT_JOIN_S = 10.0  # how long the end of an `AbortAt` block waits for an abort under way
+
+
 class AbortAt:
     """`with AbortAt(pg, deadline) as guard:` aborts `pg` (`abort_group`) at `deadline`
     (monotonic) if the block has not ended by then; `guard.fired` says whether it did. The bound
@@ -506,7 +509,11 @@ class AbortAt:
 
     def __exit__(self, *exc) -> None:
         self._done.set()
-        self._thread.join()
+        # an abort that hangs in the driver (it fired: the block ended because of it) is left to its
+        # daemon thread; the round goes on to its own failure path instead of waiting for it
+        self._thread.join(ABORT_JOIN_S)
+        if self._thread.is_alive():
+            log.warning("a weight-sync group's abort has not returned after %.0fs; leaving it", ABORT_JOIN_S)
 
 
 def wait_work(work, deadline: float) -> None:
