@@ -159,7 +159,9 @@ def run_once(run, quiet: bool, say, restarts) -> int:
 
     try:
         try:
-            for spec in plan_roles(run):
+            devices = device_plan(run)
+            (run_dir / "device_plan.txt").write_text(devices.table())  # (as launch.ray writes it)
+            for spec in plan_roles(run, devices):
                 learner = sup.start(spec, config_path)
             launched = True
             report()
