@@ -391,8 +391,11 @@ def test_demo_end_to_end_with_a_generator_killed_and_scaled_to_two(demo, tmp_pat
     assert gen1["ready"]["worker_id"] == "gen-1" and gen1["ready"]["version"] >= 1, gen1
 
     # both generators contributed rollouts: the last record each wrote as it exited (the killed
-    # generator-0 had no time to; its new process did) counts the samples it pushed and its leases
-    for gen in (gen0, gen1) if gen0["ready"] is not None else (gen1,):
+    # generator-0 had no time to; its new process did) counts the samples it pushed and its leases.
+    # Its new process may also have become ready just as the run ended, and been stopped before it
+    # wrote that record (one run in about ten on a loaded machine): then only generator-1's counts
+    restarted_in_time = gen0["ready"] is not None and "final" in gen0["ready"]
+    for gen in (gen0, gen1) if restarted_in_time else (gen1,):
         assert gen["ready"]["final"] and gen["ready"]["samples"] > 0 and gen["ready"]["leases"] >= 1, gen
 
     # the resolved per-role configs carry the discovered addresses
