@@ -60,3 +60,16 @@ def quick_start_files(tiny_model_dir, tmp_path_factory):
     prompts.write_text("".join(json.dumps({"input": r["prompt"], "prompt": r["prompt"], "label": r["label"]}) + "\n"
                                for r in rows))
     return {"model": str(tiny_model_dir), "rm": str(out / "rm"), "prompts": str(prompts), "dir": out}
+
+
+@pytest.fixture
+def weight_sync_service():
+    """A live weight-sync service on a free port (stale_after_s 60): (service, port)."""
+    from weight_sync.config import WeightSyncConfig
+    from weight_sync.service import WeightSyncService
+
+    port = free_port_block(1)
+    svc = WeightSyncService(WeightSyncConfig(port=port, stale_after_s=60))
+    svc.start()
+    yield svc, port
+    svc.stop()

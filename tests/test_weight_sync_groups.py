@@ -20,12 +20,10 @@ import pytest
 import torch
 
 import weight_sync.round as R
-from conftest import free_port_block, subprocess_env
+from conftest import subprocess_env
 from weight_sync.client import GeneratorSyncClient
-from weight_sync.config import WeightSyncConfig
 from weight_sync.receiver import receive_named_tensors
 from weight_sync.sender import WeightSender
-from weight_sync.service import WeightSyncService
 
 # ---------------------------------------------------------------------------------------------
 # what a group is built with (pure)
@@ -241,19 +239,10 @@ def test_a_member_that_dies_or_stalls_mid_broadcast_costs_the_sender_the_deadlin
 # kept groups, through the real sender, service and receivers
 
 
-@pytest.fixture
-def service():
-    port = free_port_block(1)
-    svc = WeightSyncService(WeightSyncConfig(port=port, stale_after_s=60))
-    svc.start()
-    yield svc, port
-    svc.stop()
-
-
-def test_a_group_is_kept_while_its_members_come_back(service):
+def test_a_group_is_kept_while_its_members_come_back(weight_sync_service):
     """Two generators (threads) take three rounds: round 1 builds the group, round 2 uses it again
     (no set-up), round 3 after one of them left builds a new one; every round's weights arrive."""
-    svc, port = service
+    svc, port = weight_sync_service
     rounds = 3
     named = [(f"layer{i}.w", torch.randn(64, 64)) for i in range(4)]
     got: dict[str, list] = {"g0": [], "g1": []}

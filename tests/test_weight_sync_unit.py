@@ -39,7 +39,7 @@ from weight_sync.messages import (
 )
 from weight_sync.receiver import RoundMissed, merge_adapter, receive_named_tensors
 from weight_sync.sender import WeightSender
-from weight_sync.service import SyncState, WeightSyncService
+from weight_sync.service import SyncState
 
 # ---------------------------------------------------------------------------------------------
 # buckets
@@ -307,17 +307,8 @@ def test_service_catch_up_rounds():
 # sockets: a live service
 
 
-@pytest.fixture
-def service():
-    port = free_port_block(1)
-    svc = WeightSyncService(WeightSyncConfig(port=port, stale_after_s=60))
-    svc.start()
-    yield svc, port
-    svc.stop()
-
-
-def test_malformed_control_messages_get_errors_and_service_keeps_serving(service):
-    svc, port = service
+def test_malformed_control_messages_get_errors_and_service_keeps_serving(weight_sync_service):
+    svc, port = weight_sync_service
     sock = zmq.Context.instance().socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
     sock.connect(f"tcp://127.0.0.1:{port}")
@@ -360,9 +351,9 @@ def test_publish_without_service_returns_within_timeout():
     sender.close()
 
 
-def test_round_between_threads_multi_bucket_and_late_joiner(service):
+def test_round_between_threads_multi_bucket_and_late_joiner(weight_sync_service):
     """Sender and two receivers in threads of this process (gloo between threads works too)."""
-    svc, port = service
+    svc, port = weight_sync_service
     named = [(f"layer{i}.w", torch.randn(64, 64)) for i in range(6)] + [("emb", torch.randn(300, 64))]
     results: dict[str, list] = {}
 
@@ -407,8 +398,8 @@ def test_round_between_threads_multi_bucket_and_late_joiner(service):
     sender.close()
 
 
-def test_receiver_left_out_raises_round_missed(service):
-    svc, port = service
+def test_receiver_left_out_raises_round_missed(weight_sync_service):
+    svc, port = weight_sync_service
     sender = WeightSender("127.0.0.1", port, timeout_s=5, join_timeout_s=0.3, serve_in_background=False)
     ws = GeneratorSyncClient("127.0.0.1", port, "slow")
     ws.register("transformers")
