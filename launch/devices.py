@@ -63,8 +63,7 @@ CONTEXT_GB = 0.75  # a CUDA context and the libraries' workspaces, per process a
 ACTIVATION_GB = 2.0  # activations and temporaries of a forward/backward (gradient checkpointing on for big models)
 USABLE = 0.95  # of a device's memory, what the plan hands out (the rest: fragmentation, NCCL's buffers)
 ENGINE_DEFAULT = 0.9  # vLLM's own default gpu_memory_utilization, for an engine with a device to itself
-DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "F32": 4, "BF16": 2, "F16": 2, "F64": 8, "I64": 8,
-               "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1}
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 PLACEMENTS = ("auto", "separate", "colocate", "colocate_scorers")
 
 
@@ -331,9 +330,6 @@ class DevicePlan:
             return "device plan: no GPU (every role on the CPU)\n" + "".join(f"  note: {n}\n" for n in self.notes)
         n_gpus = sum(len(n.gpus) for n in self.nodes)
         used = self.device_load()
-
-        def d_extra(p: Placement) -> float:
-            return self.engine_extra_gb
         lines = [f"device plan: {self.layout}, {len(used)} of {n_gpus} GPU(s) on {len(self.nodes)} node(s)"
                  + ("" if self.memory_checked else " (memory not checked: see notes)")]
         lines.append(f"  {'node':<8} {'gpu':<4} {'GiB':>6}  {'use GiB':>8}  processes (share of the device, estimated GiB)")
@@ -342,7 +338,8 @@ class DevicePlan:
                 on = used.get((k, g.index), [])
                 if not on:
                     continue
-                use = sum(p.share * g.memory_gb + d_extra(p) if p.kind == "generator" else p.need_gb for p in on)
+                use = sum(p.share * g.memory_gb + self.engine_extra_gb if p.kind == "generator" else p.need_gb
+                          for p in on)
                 who = ", ".join(f"{p.role} ({p.share:.2f}, {p.need_gb:.1f})" if p.share
                                 else f"{p.role} ({p.need_gb:.1f})" for p in on)
                 lines.append(f"  {node.name:<8} {g.index:<4} {g.memory_gb:>6.1f}  {use:>8.1f}  {who}")
