@@ -12,7 +12,6 @@ import time
 import pytest
 import torch
 
-from test_weight_sync_unit import service  # noqa: F401 (the live service fixture, one per test)
 from weight_sync import buckets as bk
 from weight_sync import shm
 from weight_sync.client import GeneratorSyncClient
@@ -161,10 +160,10 @@ def _start_member(svc, port: int, wid: str, rounds: int) -> tuple[threading.Thre
     return t, out
 
 
-def test_shared_memory_round_is_bit_identical_to_the_broadcast_round(service):
+def test_shared_memory_round_is_bit_identical_to_the_broadcast_round(weight_sync_service):
     """Same version, two rounds: the first through the broadcast (same_host='broadcast'), the
     second through the segment ('auto' on one host): the members' buckets are byte for byte equal."""
-    svc, port = service
+    svc, port = weight_sync_service
     named = _named()
     t, out = _start_member(svc, port, "g0", 2)
     with WeightSender("127.0.0.1", port, timeout_s=20, join_timeout_s=10, same_host="broadcast",
@@ -185,11 +184,11 @@ def test_shared_memory_round_is_bit_identical_to_the_broadcast_round(service):
         assert torch.equal(b, sent), name
 
 
-def test_after_a_same_host_round_the_gather_writes_into_the_slot(service):
+def test_after_a_same_host_round_the_gather_writes_into_the_slot(weight_sync_service):
     """Once a round had a member on this host, the sender gathers each version straight into the
     slot (no write of its own per round): the member gets every version bit for bit, and a
     gather that fails half-way leaves a slot no member takes for a version."""
-    svc, port = service
+    svc, port = weight_sync_service
     named = _named()
     t, out = _start_member(svc, port, "g0", 3)
     versions = {v: [(n, x + v) for n, x in named] for v in (1, 2, 3)}
@@ -218,10 +217,10 @@ def test_after_a_same_host_round_the_gather_writes_into_the_slot(service):
             assert torch.equal(got, sent), (v, name)
 
 
-def test_a_member_that_never_answers_does_not_stall_the_others(service):
+def test_a_member_that_never_answers_does_not_stall_the_others(weight_sync_service):
     """'ghost' joins the round and then goes silent (never says ready, never builds the group):
     the round still reaches 'g0' within its timeout, and reports the ghost as failed."""
-    svc, port = service
+    svc, port = weight_sync_service
     named = _named()
     ghost = GeneratorSyncClient("127.0.0.1", port, "ghost")
     ghost.register("transformers")
@@ -267,7 +266,7 @@ os.kill(os.getpid(), signal.SIGKILL)  # joined the same-host read, then gone bef
 """
 
 
-def test_a_same_host_member_killed_mid_round_fails_at_once_not_at_the_deadline(service):
+def test_a_same_host_member_killed_mid_round_fails_at_once_not_at_the_deadline(weight_sync_service):
     """A same-host member has no group whose failure would tell the sender it died: it names its
     process when it joins, and the sender counts it failed once that process is gone (here left a
     zombie, unreaped), not at the round's deadline. The other member is served, and the round's
@@ -277,7 +276,7 @@ def test_a_same_host_member_killed_mid_round_fails_at_once_not_at_the_deadline(s
     import sys
     from pathlib import Path
 
-    svc, port = service
+    svc, port = weight_sync_service
     named = _named()
     doomed = subprocess.Popen([sys.executable, "-c", _JOIN_AND_DIE, str(port), str(Path(__file__).parents[1])])
     try:
@@ -303,10 +302,10 @@ def test_a_same_host_member_killed_mid_round_fails_at_once_not_at_the_deadline(s
     assert out["g0"][0][:2] == (1, "shm")
 
 
-def test_groups_of_k_serve_every_member_and_a_silent_one_costs_only_its_group(service):
+def test_groups_of_k_serve_every_member_and_a_silent_one_costs_only_its_group(weight_sync_service):
     """group_size 2, three members and a ghost (joins, then silent): two groups one after the other,
     the ghost's group built again without it; every live member gets the version bit for bit."""
-    svc, port = service
+    svc, port = weight_sync_service
     named = _named()
     out: dict = {}
     threads = [threading.Thread(target=_member, args=(port, f"g{i}", out)) for i in range(3)]
@@ -374,7 +373,7 @@ def _in_place_member(port: int, out: dict, loads: list) -> None:
     ws.close()
 
 
-def test_an_in_place_load_reads_the_slot_itself_and_repairs_a_torn_one(service):
+def test_an_in_place_load_reads_the_slot_itself_and_repairs_a_torn_one(weight_sync_service):
     """A member on the sender's host loads straight out of the slot (no receive buffers): bit for
     bit the version sent. A slot rewritten under the load (the sender lapped a stalled member) is
     loaded again from the newest complete version, which the stats name; one rewritten under every
@@ -382,7 +381,7 @@ def test_an_in_place_load_reads_the_slot_itself_and_repairs_a_torn_one(service):
     the engine's load raises."""
     from weight_sync.receiver import REPAIRS, WeightsDamaged
 
-    svc, port = service
+    svc, port = weight_sync_service
     named = _named()
     versions = {v: [(n, x + v) for n, x in named] for v in range(1, 20)}
     box: dict = {"left": 0}

@@ -17,7 +17,6 @@ import weakref
 import pytest
 import torch
 
-from test_weight_sync_unit import service  # noqa: F401 (the live service fixture, one per test)
 from weight_sync import buckets as bk
 from weight_sync import receiver, shm
 from weight_sync.client import GeneratorSyncClient
@@ -102,12 +101,12 @@ def _start(svc, port, wid, rounds, **kw):
     return t, out
 
 
-def test_a_streamed_round_takes_two_buckets_of_memory_whatever_the_model(service, monkeypatch):
+def test_a_streamed_round_takes_two_buckets_of_memory_whatever_the_model(weight_sync_service, monkeypatch):
     """A 24-layer model in 49 buckets (the embedding's 40 KiB on its own, then per layer its
     16 KiB matrix, which fills a bucket, and its norm, which opens the next) arrives whole and bit
     for bit, yet the member never holds more than two areas of the largest bucket:
     2 x 40 KiB = 80 KiB, against 430 KiB of model. A second round reuses the same areas."""
-    svc, port = service
+    svc, port = weight_sync_service
     rec = Recorder(receiver._alloc)
     monkeypatch.setattr(receiver, "_alloc", rec)
     named = _model()
@@ -141,12 +140,12 @@ def test_a_streamed_round_takes_two_buckets_of_memory_whatever_the_model(service
     assert [n for names in out["loads"][:49] for n in names] == manifest.names
 
 
-def test_a_streamed_round_broken_after_loading_began_reports_damaged_weights(service, monkeypatch):
+def test_a_streamed_round_broken_after_loading_began_reports_damaged_weights(weight_sync_service, monkeypatch):
     """The engine refuses bucket 5 of 49: the bytes of the round still all arrive (the sender's
     other members are not disturbed), the sender hears `err`, and the member raises
     `WeightsDamaged` ("weights damaged: ...", what the generator's hook stops on), since buckets
     1-4 of the new version are already in its weights."""
-    svc, port = service
+    svc, port = weight_sync_service
     t, out = _start(svc, port, "g0", rounds=1, load_fails_at=5)
     sender = WeightSender("127.0.0.1", port, timeout_s=20, bucket_mb=16 / 1024, join_timeout_s=5,
                           same_host="broadcast", serve_in_background=False, max_attempts=1)
@@ -323,14 +322,14 @@ def _worker_class():
     return Worker
 
 
-def test_a_sharded_engine_loads_its_shard_bucket_by_bucket_within_the_areas(service, monkeypatch):
+def test_a_sharded_engine_loads_its_shard_bucket_by_bucket_within_the_areas(weight_sync_service, monkeypatch):
     """The vLLM worker's streamed round (`WorkerExtension._receive_streamed`, run here on the CPU
     over gloo) into a tensor-parallel rank: no load plan fits (its parameters are shards), so each
     bucket goes through the model's `load_weights`, which keeps only this rank's rows; the round
     adds two areas of the largest bucket and nothing else. An engine of one rank is copied into
     by its load plan, bucket by bucket. A quantised engine instead stages the round in host
     buffers and calls `reload_weights` once, after the last bucket."""
-    svc, port = service
+    svc, port = weight_sync_service
     rec = Recorder(receiver._alloc)
     monkeypatch.setattr(receiver, "_alloc", rec)
     named = [(n, t) for n, t in _model(8) if n != "steps"]
