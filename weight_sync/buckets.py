@@ -188,13 +188,14 @@ def pack(manifest: Manifest, tensors: Sequence["torch.Tensor"], out: Sequence["t
     return buckets
 
 
+def tensor_view(t, bucket: "torch.Tensor") -> "torch.Tensor":
+    """Manifest entry `t`'s tensor as it lies in `bucket` (its bucket's bytes, wherever they are)."""
+    return bucket[t.offset:t.offset + t.nbytes].view(torch_dtype(t.dtype)).view(t.shape)
+
+
 def unpack(manifest: Manifest, buckets: Sequence["torch.Tensor"]) -> list[tuple[str, "torch.Tensor"]]:
     """`(name, tensor)` views into `buckets` (any device), in manifest order."""
-    out = []
-    for t in manifest.tensors:
-        view = buckets[t.bucket][t.offset:t.offset + t.nbytes].view(torch_dtype(t.dtype)).view(t.shape)
-        out.append((t.name, view))
-    return out
+    return [(t.name, tensor_view(t, buckets[t.bucket])) for t in manifest.tensors]
 
 
 def sent(manifest: Manifest) -> list[int]:

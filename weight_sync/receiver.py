@@ -76,8 +76,7 @@ def receive_buckets(info: RoundInfo, local_rank: int = 0, device: Any = "cpu",
     via_shm = info.shm is not None and shm.usable(info.shm, device)
     rs.join(rank, shm=via_shm, **_identity(info, device))
     sizes = list(info.manifest.buckets)
-    if buffers is not None and [b.numel() for b in buffers] == sizes and all(
-            b.device == torch.device(device) for b in buffers):
+    if buffers is not None and [b.numel() for b in buffers] == sizes and all(_on(b, device) for b in buffers):
         bufs = list(buffers)
     else:
         bufs = [torch.empty(n, dtype=torch.uint8, device=device) for n in sizes]
@@ -212,8 +211,7 @@ def receive_areas(info: RoundInfo, device: Any = "cpu", kept: list | None = None
 
 def bucket_views(manifest, bucket: int, area) -> list[tuple[str, Any]]:
     """(name, tensor) views of bucket `bucket`'s tensors as they lie in `area`."""
-    return [(t.name, area[t.offset:t.offset + t.nbytes].view(bk.torch_dtype(t.dtype)).view(t.shape))
-            for t in manifest.tensors if t.bucket == bucket]
+    return [(t.name, bk.tensor_view(t, area)) for t in manifest.tensors if t.bucket == bucket]
 
 
 def receive_streaming(info: RoundInfo, load, local_rank: int = 0, device: Any = "cpu",
