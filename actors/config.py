@@ -10,6 +10,7 @@ from typing import Any, ClassVar, Literal
 from pydantic import Field, field_validator
 
 from buffer.config import BufferAddress
+from common.moved import current_name
 from weight_sync.config import WeightSyncAddress
 
 ENGINES = ("vllm", "transformers")
@@ -42,7 +43,7 @@ class GeneratorConfig(WeightSyncAddress, BufferAddress):
     KV cache). 0 means auto: 0.9 with CUDA, 0.05 on CPU (where VLLM_CPU_KVCACHE_SPACE also applies)."""
     max_model_len: int = Field(0, ge=0)
     """vLLM: longest prompt + completion the engine accepts; 0: the model config's limit."""
-    worker_extension: str = "actors.vllm_worker.WorkerExtension"
+    worker_extension: str = "actors.engines.vllm.worker.WorkerExtension"
     """vLLM: dotted path of the worker extension class that receives weights (`receive_weights`).
     Skipped, with a warning, when its module cannot be found."""
     cpu_linear: Literal["auto", "plain", "packed"] = "auto"
@@ -82,7 +83,7 @@ class GeneratorConfig(WeightSyncAddress, BufferAddress):
     """Wrap each prompt as one user message in the tokenizer's chat template, when it has one."""
 
     env: str = ""
-    """Multi-turn episodes: the environment each sample plays against (actors/env.py `load_env`: a
+    """Multi-turn episodes: the environment each sample plays against (actors/envs/loader.py `load_env`: a
     registered name such as `guess`, `file.py:Class`, `module:Class`, or an OpenRLHF agent file);
     empty: one completion per sample. Each policy turn is at most max_new_tokens long. Not with `agent`."""
     env_args: dict[str, Any] = Field(default_factory=dict)
@@ -95,7 +96,7 @@ class GeneratorConfig(WeightSyncAddress, BufferAddress):
     """One environment call (reset or step) may take this long; past it the episode fails, counted."""
     agent: str = ""
     """Agent code that plays each sample through the generator's OpenAI-compatible endpoint
-    (actors/openai_server.py): `path/file.py:function` or `package.module:function`, a function
+    (actors/agents/openai_server.py): `path/file.py:function` or `package.module:function`, a function
     `async def agent(base_url, row, **agent_args) -> float | None` written against the `openai`
     client; each sample is a session whose token ids become one rollout when its reward is in.
     Empty: off. Not with `env`. The session's turns are sampled with this section's settings."""
@@ -154,6 +155,11 @@ class GeneratorConfig(WeightSyncAddress, BufferAddress):
 
     def missing(self) -> list[str]:
         return [] if self.model else ["generator.model is empty: give a model folder"]
+
+    @field_validator("worker_extension")
+    @classmethod
+    def _current_extension(cls, v: str) -> str:
+        return current_name(v)  # (a name an earlier run stored: common/moved.py)
 
 
 class ScorerConfig(BufferAddress):

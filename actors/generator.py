@@ -8,9 +8,9 @@ One iteration:
    (the buffer's admission control may answer `Wait`);
 3. tokenize the prompts (chat template when there is one), truncate or refuse long ones;
 4. sample `n_samples` completions of each in one engine call, while a thread renews the lease
-   (with `generator.env`: one multi-turn episode per sample, actors/episodes.py; with
+   (with `generator.env`: one multi-turn episode per sample, actors/envs/episodes.py; with
    `generator.agent`: agent code plays each sample through the OpenAI-compatible endpoint,
-   actors/openai_server.py);
+   actors/agents/openai_server.py);
 5. push one `Rollout` per completion to the scorers, through the buffer's relay.
 
 Weight-sync mode `interrupt` (the service's `weight_sync.mode`, with `generator.async_engine`):
@@ -38,50 +38,18 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 
 from actors.config import GeneratorConfig
-from actors.engines import Completion, Engine, Sampling, build_engine
-from actors.episodes import rollout_of, run_episodes
+from actors.agents.sessions import load_agent
+from actors.engines import build_engine
+from actors.engines.base import Completion, Engine, Sampling
+from actors.envs.episodes import rollout_of, run_episodes
+from actors.envs.loader import load_env
+from actors.prompts import encode_prompt, fit_prompt
 from actors.weight_hook import WeightSyncHook
 from buffer.client import BufferClient, BufferError
-from buffer.protocol import ID_DTYPE, LOGPROB_DTYPE, LeaseGrant, Rollout, Wait
+from buffer.messages import ID_DTYPE, LOGPROB_DTYPE, LeaseGrant, Rollout, Wait
 from common.ready import mark_ready
 
 log = logging.getLogger("conveyor.generator")
-
-
-# --------------------------------------------------------------------------------------------
-# prompts
-
-
-def encode_prompt(tokenizer, text: str, use_chat_template: bool, messages=None, tools=None) -> list[int]:
-    """Token ids of one prompt, its chat `messages` (ChatMessage) when it has them, else `text` as
-    one user message, rendered by the tokenizer's chat template when it has one and
-    use_chat_template is on (with `tools`, JSON schemas, as the template's `tools=`). Without a
-    template, the texts as the offline trainers' loaders encode them: the first with the
-    tokenizer's specials (bos), the others after it without."""
-    chat = ([{"role": "user", "content": text}] if messages is None
-            else [{"role": m.role, "content": m.content} for m in messages])
-    if not chat:
-        return []  # (refused by fit_prompt as empty)
-    if use_chat_template and getattr(tokenizer, "chat_template", None):
-        # The template writes the special tokens itself (bos and the like); the ids are the ones
-        # it gives (the offline loaders tokenize the same rendered text without specials).
-        return list(tokenizer.apply_chat_template(chat, tools=tools, add_generation_prompt=True, return_dict=False))
-    ids = list(tokenizer.encode(chat[0]["content"]))
-    for m in chat[1:]:
-        ids.extend(tokenizer.encode(m["content"], add_special_tokens=False))
-    return ids
-
-
-def fit_prompt(ids: list[int], cfg: GeneratorConfig) -> tuple[list[int] | None, str]:
-    """(ids to generate from, "") or (None, why it is refused); a long prompt keeps its tail."""
-    if not ids:
-        return None, "empty prompt (0 tokens)"
-    if len(ids) <= cfg.prompt_max_len:
-        return ids, ""
-    if cfg.long_prompt == "truncate":
-        # The tail holds the question and the generation prompt; the head is usually context.
-        return ids[-cfg.prompt_max_len:], ""
-    return None, f"prompt of {len(ids)} tokens > generator.prompt_max_len={cfg.prompt_max_len}"
 
 
 # --------------------------------------------------------------------------------------------
@@ -205,8 +173,8 @@ def make_rollouts(grant: LeaseGrant, cfg: GeneratorConfig, engine: Engine, sampl
                   client: BufferClient, worker_id: str, counts: Counters,
                   sync: WeightSyncHook | None = None, factory=None, agents=None) -> list[Rollout]:
     """Steps 3-4 for one lease: the rollouts of its groups (refused groups are reported, not sampled);
-    with an environment `factory`, one multi-turn episode per sample (actors/episodes.py); with
-    `agents` (an `actors.openai_server.AgentServer`), one agent session per sample."""
+    with an environment `factory`, one multi-turn episode per sample (actors/envs/episodes.py); with
+    `agents` (an `actors.agents.openai_server.AgentServer`), one agent session per sample."""
     groups, prompt_ids = [], []
     tools = getattr(factory, "chat_tools", None)  # (a tools environment's schemas, for the template)
     for g in grant.groups:
@@ -331,13 +299,9 @@ def run_generator(cfg: GeneratorConfig, stop: threading.Event | None = None) -> 
     t_start = time.monotonic()
     factory = None
     if cfg.env:  # (before the engine: a bad environment is said at once)
-        from actors.env import load_env
-
         factory = load_env(cfg.env, cfg.env_args, "generator.env")
     agent = None
     if cfg.agent:  # (the same: a bad agent spec is said before the engine starts)
-        from actors.agent_sessions import load_agent
-
         agent = load_agent(cfg.agent, cfg.agent_args, "generator.agent")
     engine = build_engine(cfg)
     log.info("%s: %s engine on %s ready in %.1fs", worker_id, cfg.engine, cfg.model, time.monotonic() - t_start)
@@ -356,7 +320,7 @@ def run_generator(cfg: GeneratorConfig, stop: threading.Event | None = None) -> 
     agents = None
     try:
         if agent is not None:  # the endpoint is up, its port bound, before the first lease
-            from actors.openai_server import AgentServer
+            from actors.agents.openai_server import AgentServer
 
             agents = AgentServer(agent, cfg.agent_args, cfg.openai_host, cfg.openai_port,
                                  model_name=os.path.basename(cfg.model.rstrip("/")) or "policy")

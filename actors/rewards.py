@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING, NamedTuple, Sequence
 import msgpack
 
 if TYPE_CHECKING:  # only for annotations: the worker process imports this module and should start fast
-    from buffer.protocol import Rollout
+    from buffer.messages import Rollout
 
 log = logging.getLogger("conveyor.scorer")
 

@@ -27,7 +27,7 @@ import numpy as np
 from actors.config import ScorerConfig
 from actors.rewards import EnvReward, OverlongPenalty, RemoteReward, RewardFn, RewardModel, Score
 from buffer.client import BufferClient
-from buffer.protocol import LOGPROB_DTYPE, ProtocolError, Rollout, ScoredRollout
+from buffer.messages import LOGPROB_DTYPE, ProtocolError, Rollout, ScoredRollout
 from common.ready import mark_ready
 
 log = logging.getLogger("conveyor.scorer")

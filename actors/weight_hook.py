@@ -12,7 +12,7 @@ import logging
 import time
 
 from actors.config import GeneratorConfig
-from actors.engines import Engine
+from actors.engines.base import Engine
 from common.guards import WarnLimiter
 from common.wire import ProtocolError
 from weight_sync.messages import RoundInfo

@@ -3,7 +3,7 @@
     python bench/agent.py [--episodes 256] [--turns 3] [--tokens 16] [--tool-ms 100] [--repeats 2]
 
 One vLLM engine (CPU build, the tiny model, fp32) in this process plays `--episodes` episodes at
-once (`actors.episodes.run_episodes`, as a generator plays a lease's), each `--turns` policy turns
+once (`actors.envs.episodes.run_episodes`, as a generator plays a lease's), each `--turns` policy turns
 of `--tokens` tokens against an environment whose every step takes `--tool-ms` (asleep, as an
 environment waiting on a tool or a sandbox does), then the same episodes against an instant one,
 alternating, `--repeats` times. Episodes/s of each and their ratio (goal >= 0.8): the sleeping
@@ -52,9 +52,10 @@ def main() -> None:
     args = ap.parse_args()
 
     from actors.config import GeneratorConfig
-    from actors.engines import Sampling, VLLMEngine
-    from actors.episodes import run_episodes
-    from buffer.protocol import PromptGroup
+    from actors.engines import VLLMEngine
+    from actors.engines.base import Sampling
+    from actors.envs.episodes import run_episodes
+    from buffer.messages import PromptGroup
     from demo.tiny_model import build_tiny_model
 
     model = build_tiny_model(Path(tempfile.mkdtemp(prefix="bench_agent_")) / "tiny", seed=0)

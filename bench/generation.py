@@ -34,7 +34,8 @@ def say(msg: str) -> None:
 
 def bench_engine(kind: str, model_dir: str, prompt_ids: list[list[int]], n: int, max_tokens: int, seed: int,
                  repeat: int, cpu_linear: str = "auto") -> dict:
-    from actors.engines import Sampling, TransformersEngine, VLLMEngine
+    from actors.engines import TransformersEngine, VLLMEngine
+    from actors.engines.base import Sampling
 
     t0 = time.perf_counter()
     if kind == "vllm":

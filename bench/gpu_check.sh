@@ -21,7 +21,7 @@
 #     the NCCL watchdog;
 #  9. vLLM's V2 model runner (the default on GPU in vLLM 0.33: VLLM_USE_V2_MODEL_RUNNER, read in
 #     vllm/envs.py and vllm/config/vllm.py `use_v2_model_runner`) and the V1 runner, each a short
-#     greedy generation through the project's engine (actors/vllm_engine.py), both recorded;
+#     greedy generation through the project's engine (actors/engines/vllm/engine.py), both recorded;
 # 10. the demo (launch.demo, asynchronous: 20 steps; 2 in --cpu-smoke).
 #
 # On a GPU every step records the peak of `nvidia-smi --query-gpu=memory.used` while it ran (the
@@ -88,8 +88,8 @@ gpu_step() {  # gpu_step NAME TIMEOUT_S COMMAND...: a step that only means somet
 RUNNER_PY='
 import json, sys, time
 if __name__ == "__main__":
-    from actors.engines import Sampling
-    from actors.vllm_engine import VLLMEngine
+    from actors.engines.base import Sampling
+    from actors.engines.vllm.engine import VLLMEngine
     t0 = time.monotonic()
     eng = VLLMEngine(sys.argv[1], dtype="bfloat16", max_model_len=256)
     start_s = time.monotonic() - t0

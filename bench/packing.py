@@ -49,7 +49,7 @@ def make_batch(sequences: int, min_len: int, max_len: int, seed: int) -> list:
     """Scored rollouts in groups of 4 whose total lengths are uniform in [min_len, max_len]."""
     import numpy as np
 
-    from buffer.protocol import Rollout, ScoredRollout
+    from buffer.messages import Rollout, ScoredRollout
 
     rng = np.random.default_rng(seed)
     out = []

@@ -77,7 +77,7 @@ class Fabricator:
         import msgpack
         import numpy as np
 
-        from buffer.protocol import ID_DTYPE, LOGPROB_DTYPE, SCHEMA_VERSION
+        from buffer.messages import ID_DTYPE, LOGPROB_DTYPE, SCHEMA_VERSION
 
         rng = np.random.default_rng(0)
         self._versions = lambda v: np.full(tokens, v, ID_DTYPE).tobytes()
@@ -150,7 +150,7 @@ def produce_buffer(port: int, tokens: int, group: int, per_step: int, groups: in
     import zmq
 
     from buffer.config import endpoints
-    from buffer.protocol import LeaseGrant
+    from buffer.messages import LeaseGrant
     from common.curve import apply
 
     fab = Fabricator(tokens)
@@ -217,7 +217,7 @@ def produce_raw(port: int, tokens: int, group: int, groups: int, out) -> None:
 def consume_raw(port: int, total: int, warmup: int, decode_items: bool, out) -> None:
     import zmq
 
-    from buffer.protocol import decode
+    from buffer.messages import decode
     from common.channel import recv_frames
 
     pull = zmq.Context.instance().socket(zmq.PULL)

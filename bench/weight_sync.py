@@ -104,8 +104,8 @@ def receiver(a) -> None:
 
 
 def vllm_generator(a) -> None:
-    from actors.engines import Sampling
-    from actors.vllm_engine import VLLMEngine
+    from actors.engines.base import Sampling
+    from actors.engines.vllm.engine import VLLMEngine
     from weight_sync.client import GeneratorSyncClient
 
     engine = VLLMEngine(a.model, dtype="float32", max_model_len=256)

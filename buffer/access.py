@@ -20,7 +20,7 @@ from collections import Counter
 import msgspec
 
 from buffer.groups import RequestError
-from buffer.protocol import (
+from buffer.messages import (
     BatchRequest,
     EvalRequest,
     GroupFailed,

@@ -14,7 +14,7 @@ from typing import Sequence
 import zmq
 
 from buffer.config import endpoints
-from buffer.protocol import (
+from buffer.messages import (
     DEFAULT_LIMITS,
     Ack,
     Batch,

@@ -36,7 +36,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from buffer.config import BufferConfig
-from buffer.protocol import ChatMessage, PromptGroup
+from buffer.messages import ChatMessage, PromptGroup
 from common.datasets import BadRow, DatasetError, chat_messages, iter_rows, short_repr
 
 

@@ -1,10 +1,10 @@
 """Rollout frames: the field types every buffer message is made of, and the rollout types.
 
-A rollout travels in a frame of its own (see `buffer.protocol`). Token ids, log-probs, versions
+A rollout travels in a frame of its own (see `buffer.messages`). Token ids, log-probs, versions
 and masks are packed little-endian arrays (msgpack `bin`) that arrive as `numpy.frombuffer` views
 over the received bytes; `Rollout.__post_init__` takes a fast path for a frame just decoded and
 well formed. `check_scored`'s types (`_CheckedRollout`, `_CheckedScored`) are the same types with
-the arrays left as the bytes they came as. `buffer.protocol` re-exports everything here.
+the arrays left as the bytes they came as. `buffer.messages` re-exports everything here.
 """
 
 from __future__ import annotations

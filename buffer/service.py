@@ -36,7 +36,7 @@ import zmq
 from buffer.access import SOCKET_ROLES, Gate, refused_peers
 from buffer.config import BufferConfig, EvalConfig, endpoints
 from buffer.eval import Evaluator, eval_prompts
-from buffer.protocol import (
+from buffer.messages import (
     DEFAULT_LIMITS,
     TYPE_NAMES,
     Ack,

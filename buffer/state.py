@@ -36,7 +36,7 @@ from collections import Counter, deque
 from buffer.config import BufferConfig
 from buffer.groups import Lease, PendingGroup, ReadyGroup, RequestError, Sample, StepBatch  # noqa: F401 (re-exported)
 from buffer.prompts import Prompt, PromptOrder, PromptsError, load_prompts, prompt_group  # noqa: F401 (PromptsError, load_prompts: re-exported)
-from buffer.protocol import LeaseGrant, Wait
+from buffer.messages import LeaseGrant, Wait
 from buffer.rules import (
     QUIET_S,
     admission_limit,

@@ -13,7 +13,7 @@ tool's answer the policy scores about 0: what it must learn is to pass the quest
 exactly and copy the result back, which carries over to problems it never trained on. So the
 held-out set is simply other problems (`make_problems` with `exclude`).
 
-The environment is actors/tool_env.py's `tools` with the calculator in the tags format (the
+The environment is actors/envs/tool_env.py's `tools` with the calculator in the tags format (the
 character tokenizer has no chat template); `episode_segments` is a scripted episode for the
 supervised warm start (`demo.arithmetic.warm_start_segments`), its loss on the policy's turns only.
 """

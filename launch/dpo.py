@@ -5,7 +5,7 @@ Several ranks with either launcher (DeepSpeed over NCCL on GPUs, gloo on CPU):
     deepspeed --num_gpus 2 --module launch.dpo dpo.yaml --dpo.zero_stage 3
     torchrun --nproc_per_node 2 -m launch.dpo dpo.yaml
 
-CONFIG is a YAML file whose `dpo:` section fills learner.offline_config.DPOConfig; overrides are
+CONFIG is a YAML file whose `dpo:` section fills learner.offline.config.DPOConfig; overrides are
 `--dpo.KEY VALUE` or `--KEY VALUE`. OpenRLHF's `train_dpo` quick-start flags are accepted with the
 same meaning, e.g.
 
@@ -33,7 +33,7 @@ DPO_ALIASES = {
 
 
 def main(argv: list[str] | None = None) -> int:
-    from learner.offline_config import DPOConfig
+    from learner.offline.config import DPOConfig
 
     return offline_main("launch.dpo", DPOConfig, "dpo", DPO_ALIASES, __doc__, "dpo", argv)
 

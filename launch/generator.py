@@ -27,7 +27,7 @@ def main(argv: list[str] | None = None) -> None:
     default_identity(cfg.worker_id)
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
                         format="%(asctime)s generator %(levelname)s %(message)s")
-    from actors.env import EnvLoadError
+    from actors.envs.api import EnvLoadError
     from actors.generator import run_generator
 
     try:

@@ -28,7 +28,7 @@ Another generator can join a running run from a second terminal:
     python -m launch.generator <run_dir>/config.yaml --generator.worker_id gen-extra
 
 OpenRLHF's `train_ppo_ray` flags are accepted with their meaning (0.11.2's dotted ones and 0.11's,
-`--pretrain`, `--n_samples_per_prompt`, ...) or refused with the reason: launch/openrlhf.py holds
+`--pretrain`, `--n_samples_per_prompt`, ...) or refused with the reason: launch/openrlhf/flags.py holds
 the table, and `--help` lists it.
 """
 

@@ -5,7 +5,7 @@ what it spawned (vLLM's engine core, DeepSpeed's ranks) and nothing is orphaned.
 where to say it is ready from `$CONVEYOR_READY_FILE` (common/ready.py); `wait_ready` waits for that
 file (or for a port that answers) while the process lives, and a failure to get there comes with
 the tail of the log. `launch.local` uses it directly (launch/supervisor.py); on a Ray cluster each
-role's actor holds one (launch/ray_roles.py).
+role's actor holds one (launch/cluster/roles.py).
 """
 
 from __future__ import annotations

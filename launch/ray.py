@@ -2,11 +2,11 @@
 
 The same roles as `launch.local` (buffer, weight sync, learner ranks, generators, scorers), each an
 unchanged `python -m launch.X` process (the plan of launch/roles.py), started by a Ray actor that
-holds the role's resources on its node (launch/ray_roles.py). Section `ray:` of the config
-(launch/ray_config.py) says what each process reserves (`--ray.generator.num_gpus 1`) and how a
-role's processes spread over nodes. The pieces: placement (launch/ray_placement.py), one
-attempt's start, supervision and healing (launch/ray_run.py), `scale` (launch/ray_scale.py), the
-status report and the `scale|status|stop` commands (launch/ray_status.py); this file joins the
+holds the role's resources on its node (launch/cluster/roles.py). Section `ray:` of the config
+(launch/cluster/config.py) says what each process reserves (`--ray.generator.num_gpus 1`) and how a
+role's processes spread over nodes. The pieces: placement (launch/cluster/placement.py), one
+attempt's start, supervision and healing (launch/cluster/run.py), `scale` (launch/cluster/scale.py), the
+status report and the `scale|status|stop` commands (launch/cluster/status.py); this file joins the
 cluster, runs the attempts (auto-resume) and gives the exit code.
 
     python -m launch.ray CONFIG [--ray.address HOST:6379] [--section.key VALUE ...]
@@ -22,7 +22,7 @@ cluster, runs the attempts (auto-resume) and gives the exit code.
   `run.curve auto` is decided from those IPs (CurveZMQ on unless they are loopback).
 - GPUs: the run's device plan (launch/devices.py, as launch.local's) is made on the cluster's
   alive nodes before anything is placed, and a run that does not fit is refused with the numbers
-  (exit 2). Every role process gets the plan's GPUs as CUDA_VISIBLE_DEVICES (launch/ray_devices.py):
+  (exit 2). Every role process gets the plan's GPUs as CUDA_VISIBLE_DEVICES (launch/cluster/devices.py):
   in the separate layout each reserves its own as Ray `num_gpus` (Ray's ids are disjoint); in a
   colocated one the run holds its GPUs in one placement group per node and each process gets the
   ids of its planned devices' bundles; a process with none gets "". `--plan` prints the plan and
@@ -60,8 +60,8 @@ import time
 from pathlib import Path
 from typing import Callable
 
-from launch.ray_config import ResourceError, load
-from launch.ray_run import Proc, RayRun, RunFailed  # noqa: F401 (the attempt's pieces, named from here)
+from launch.cluster.config import ResourceError, load
+from launch.cluster.run import Proc, RayRun, RunFailed  # noqa: F401 (the attempt's pieces, named from here)
 from launch.recovery import EXIT_CODES, RESUMABLE, Stalled, launcher_log
 
 
@@ -190,11 +190,11 @@ def run_ray(rcfg, run, config_name: str = "CONFIG", quiet: bool = False) -> int:
 def main(argv: list[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
     from launch.config import help_or_usage
-    from launch.ray_config import ray_help
+    from launch.cluster.config import ray_help
 
     help_or_usage(argv, lambda: ray_help(__doc__))
     if argv[0] in ("scale", "status", "stop"):
-        from launch.ray_status import control_main
+        from launch.cluster.status import control_main
 
         sys.exit(control_main(argv))
     from launch.config import ConfigError
@@ -218,7 +218,7 @@ def print_plan(rcfg, run) -> int:
     numbers when the run does not fit."""
     from launch.config import ConfigError
     from launch.plan_view import print_plan as show
-    from launch.ray_devices import RayDevices, offline_nodes
+    from launch.cluster.devices import RayDevices, offline_nodes
 
     nodes, notes = offline_nodes(run)
 

@@ -1,6 +1,6 @@
 """Reward-model training (Bradley-Terry): `python -m launch.rm [CONFIG] [--rm.KEY VALUE ...]`.
 
-The `rm:` section of CONFIG fills learner.offline_config.RMConfig; a key is overridden as
+The `rm:` section of CONFIG fills learner.offline.config.RMConfig; a key is overridden as
 `--rm.KEY VALUE`, `--KEY VALUE`, or with OpenRLHF's `train_rm` flags (`--pretrain`, `--dataset`,
 `--chosen_key`, `--rejected_key`, `--max_len`, `--micro_train_batch_size`, `--train_batch_size`,
 `--learning_rate`, `--bf16`, `--save_path`, `--save_steps`, `--logging_steps`, `--max_epochs`, ...).
@@ -25,7 +25,7 @@ RM_ALIASES = {
 
 
 def main(argv: list[str] | None = None) -> int:
-    from learner.offline_config import RMConfig
+    from learner.offline.config import RMConfig
 
     return offline_main("launch.rm", RMConfig, "rm", RM_ALIASES, __doc__, "rm", argv)
 

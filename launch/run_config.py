@@ -27,8 +27,8 @@ from common.curve import Mode as CurveMode, is_loopback
 from launch.config import (ConfigError, Section, apply_flags, build, is_set, read_yaml,
                            render_help, suggest, tie_addresses)
 # OpenRLHF's train_ppo_ray flags (0.11.2 and 0.11's names): mapped, accepted or refused, flag by flag
-from launch.openrlhf import ALIASES
-from launch.openrlhf_resolve import resolve as resolve_openrlhf
+from launch.openrlhf.flags import ALIASES
+from launch.openrlhf.resolve import resolve as resolve_openrlhf
 
 
 class RunConfig(Section):

@@ -5,7 +5,7 @@ Several ranks with either launcher (DeepSpeed over NCCL on GPUs, gloo on CPU):
     deepspeed --num_gpus 2 --module launch.sft sft.yaml --sft.zero_stage 3
     torchrun --nproc_per_node 2 -m launch.sft sft.yaml
 
-CONFIG is a YAML file whose `sft:` section fills learner.offline_config.SFTConfig; overrides are
+CONFIG is a YAML file whose `sft:` section fills learner.offline.config.SFTConfig; overrides are
 `--sft.KEY VALUE` or `--KEY VALUE`. OpenRLHF's `train_sft` flags are accepted with the same meaning
 (`--pretrain`, `--dataset`, `--input_key`, `--output_key`, `--max_len`, `--micro_train_batch_size`,
 `--train_batch_size`, `--learning_rate`, `--bf16`, `--save_path`, `--save_steps`, `--logging_steps`,
@@ -68,10 +68,10 @@ def offline_main(prog: str, cls: type, section: str, aliases: dict, doc: str, ru
 
     import importlib
 
-    from learner.datasets import DatasetError
-    from learner.offline import SetupError
+    from learner.offline.datasets import DatasetError
+    from learner.offline.loop import SetupError
 
-    trainer = importlib.import_module(f"learner.{run_name}")
+    trainer = importlib.import_module(f"learner.offline.{run_name}")
     try:
         trainer.run(cfg)
     except (DatasetError, SetupError) as e:
@@ -81,7 +81,7 @@ def offline_main(prog: str, cls: type, section: str, aliases: dict, doc: str, ru
 
 
 def main(argv: list[str] | None = None) -> int:
-    from learner.offline_config import SFTConfig
+    from learner.offline.config import SFTConfig
 
     return offline_main("launch.sft", SFTConfig, "sft", SFT_ALIASES, __doc__, "sft", argv)
 

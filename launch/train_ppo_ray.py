@@ -1,7 +1,7 @@
 """OpenRLHF's PPO entry point, run by Conveyor: `python -m launch.train_ppo_ray <OpenRLHF flags>`.
 
 A drop-in for `python3 -m openrlhf.cli.train_ppo_ray`: the same command line (0.11.2's dotted
-flags or 0.11's underscore ones, read by the table in launch/openrlhf.py) starts the same roles
+flags or 0.11's underscore ones, read by the table in launch/openrlhf/flags.py) starts the same roles
 with `launch.ray` (a local Ray cluster, or the one of RAY_ADDRESS, which `ray job submit` sets):
 
     ray job submit --address http://HEAD:8265 -- python3 -m launch.train_ppo_ray \\
@@ -40,7 +40,7 @@ def with_defaults(argv: list[str]) -> list[str]:
     """OpenRLHF's defaults, then `argv` (a later flag wins); a critic from the reward model as there,
     when PPO with GAE trains one and none is named."""
     from common.config import parse_overrides
-    from launch.openrlhf import LEGACY
+    from launch.openrlhf.flags import LEGACY
 
     flags = {LEGACY.get(k, k): v for k, v in parse_overrides(argv).items()}
     extra = []
@@ -58,7 +58,7 @@ def main(argv: list[str] | None = None) -> None:
 
     argv = list(sys.argv[1:] if argv is None else argv)
     if wants_help(argv) or not argv:
-        from launch.ray_config import ray_help
+        from launch.cluster.config import ray_help
 
         print((__doc__.strip() + "\n\n" + ray_help(ray.__doc__)).rstrip())
         sys.exit(0 if argv else 2)

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from buffer.protocol import Batch, ScoredRollout
+from buffer.messages import Batch, ScoredRollout
 from learner.modeling import pad_sequences
 from learner.packing import PackedRows, pack_rows
 

@@ -1,5 +1,5 @@
 """The learner's configuration: section `learner:` of the run config, and `OptimConfig`, the
-model, optimiser and DeepSpeed settings it shares with the offline trainers (learner/offline_config.py).
+model, optimiser and DeepSpeed settings it shares with the offline trainers (learner/offline/config.py).
 
 Light on purpose (no torch, no DeepSpeed): `python -m launch.learner --help` and the launchers
 read it without loading anything heavy.

@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 from buffer.client import BufferClient, BufferDone, BufferError, ResumeNeeded
-from buffer.protocol import Batch, EvalReport, EvalRequest, Wait
+from buffer.messages import Batch, EvalReport, EvalRequest, Wait
 from learner.config import LearnerConfig
 from learner.ledger import Ledger
 from learner.metrics import say

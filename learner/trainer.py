@@ -26,7 +26,7 @@ Losses are normalised over the whole mini-batch of all ranks (token or sequence 
 over ranks first), so the gradient does not depend on how the batch was split. The pieces every
 learner shares (engines, log-probs, the mean over ranks, the metrics writer, checkpoints) live in
 `learner.engine`, `learner.modeling`, `learner.metrics` and `learner.checkpoint`; the offline
-trainers (`learner.offline`) use the same ones. What the loop asks of the buffer (its share of a
+trainers (`learner.offline.loop`) use the same ones. What the loop asks of the buffer (its share of a
 batch, the handshake, the version, evaluations during training) is in `learner.source`.
 
 With evaluation during training (`eval:` section), rank 0 asks the buffer for the evaluation of

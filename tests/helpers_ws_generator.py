@@ -106,7 +106,7 @@ async def run_vllm(a, ws, ev: Events) -> None:
     from vllm.engine.arg_utils import AsyncEngineArgs
     from vllm.v1.engine.async_llm import AsyncLLM
 
-    from actors.vllm_worker import CPU_LINEAR_ENV, apply_round_async
+    from actors.engines.vllm.worker import CPU_LINEAR_ENV, apply_round_async
 
     # vLLM's own kernels (on CPU: repacked for oneDNN), whatever an engine of the parent process chose
     os.environ[CPU_LINEAR_ENV] = "packed"
@@ -114,7 +114,7 @@ async def run_vllm(a, ws, ev: Events) -> None:
     prompt_ids = [tok(p, add_special_tokens=False)["input_ids"] for p in PROMPTS]
     engine = AsyncLLM.from_engine_args(AsyncEngineArgs(
         model=a.model, dtype="float32", max_model_len=256, max_num_seqs=8, enforce_eager=True,
-        worker_extension_cls="actors.vllm_worker.WorkerExtension", disable_log_stats=True))
+        worker_extension_cls="actors.engines.vllm.worker.WorkerExtension", disable_log_stats=True))
     greedy = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
     n_req = 0
 

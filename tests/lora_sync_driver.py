@@ -30,9 +30,9 @@ PROMPTS = ["12+34=", "hello world", "7*8="]
 def main(model_dir: str, run_dir: str, use_async: bool = False, merged: bool = False) -> None:
     import torch
 
-    from actors.engines import Sampling
-    from actors.transformers_engine import TransformersEngine
-    from actors.vllm_engine import AsyncVLLMEngine, VLLMEngine
+    from actors.engines.base import Sampling
+    from actors.engines.hf import TransformersEngine
+    from actors.engines.vllm.engine import AsyncVLLMEngine, VLLMEngine
     from learner.checkpoint import save_checkpoint
     from learner.config import LearnerConfig
     from learner.engine import build_policy_engine, iter_full_params, iter_publish_params, process_group

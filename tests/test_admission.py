@@ -6,7 +6,7 @@ import json
 import pytest
 
 from buffer.config import BufferConfig
-from buffer.protocol import LeaseGrant, Wait
+from buffer.messages import LeaseGrant, Wait
 from buffer.prompts import PromptOrder, PromptsError, load_prompts
 from buffer.rules import admission_limit, admits, is_stale, share_bounds
 from buffer.state import BufferState, RequestError, Sample

@@ -14,7 +14,7 @@ import msgpack
 import numpy as np
 import zmq
 
-from buffer.protocol import (
+from buffer.messages import (
     DEFAULT_LIMITS,
     Ack,
     Batch,

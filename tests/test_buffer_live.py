@@ -19,7 +19,7 @@ import zmq
 
 from buffer.client import BufferClient, BufferDone, BufferError, ResumeNeeded
 from buffer.store import StateStore
-from buffer.protocol import (
+from buffer.messages import (
     Ack,
     BatchRequest,
     LeaseGrant,

@@ -14,7 +14,7 @@ import pytest
 import zmq
 
 from buffer.client import BufferClient, BufferError
-from buffer.protocol import LeaseGrant
+from buffer.messages import LeaseGrant
 from common import curve
 from test_buffer_live import scored, start_buffer
 from weight_sync.client import GeneratorSyncClient, WeightSyncError
@@ -155,7 +155,7 @@ def test_a_lease_restored_after_a_restart_belongs_to_the_first_key_that_uses_it(
 
     from buffer.access import Gate
     from buffer.groups import RequestError
-    from buffer.protocol import LeaseRenew
+    from buffer.messages import LeaseRenew
 
     live = {7}
     gate = Gate(lambda lease_id: lease_id in live, Counter())

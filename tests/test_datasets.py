@@ -1,4 +1,4 @@
-"""learner.datasets: formats, keys, chat templates, response masks, truncation, bad rows."""
+"""learner.offline.datasets: formats, keys, chat templates, response masks, truncation, bad rows."""
 
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from learner.datasets import DatasetError, load_examples, load_splits
-from learner.offline_config import DPOConfig, RMConfig, SFTConfig
+from learner.offline.datasets import DatasetError, load_examples, load_splits
+from learner.offline.config import DPOConfig, RMConfig, SFTConfig
 from demo.tiny_model import build_tokenizer, vocab
 
 V = vocab()

@@ -117,7 +117,8 @@ def test_calc_episodes_train_the_call_and_the_answer_and_keep_held_out_problems_
 def test_calc_config_solves_a_scripted_episode_through_the_calculator():
     import asyncio
 
-    from actors.env import Row, load_env, run_episode
+    from actors.envs.api import Row, run_episode
+    from actors.envs.loader import load_env
     from launch.run_config import load_run_config
 
     run = load_run_config(AGENT_CONFIG, ["--learner.model_path", str(ROOT), "--buffer.prompts", str(AGENT_CONFIG)])

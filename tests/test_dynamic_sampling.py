@@ -6,7 +6,7 @@ with SIGKILL and restarted from its state dir, and audited with `launch.ledger`.
 
 import logging
 
-from buffer.protocol import LeaseGrant, Wait
+from buffer.messages import LeaseGrant, Wait
 from buffer.rules import describe_wait, filter_verdict, no_signal
 from buffer.store import StateStore
 from launch.ledger import audit

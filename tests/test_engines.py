@@ -14,7 +14,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from actors.engines import Completion, Sampling, TransformersEngine, process_logits
+from actors.engines import TransformersEngine
+from actors.engines.base import Completion, Sampling, process_logits
 from learner.modeling import completion_logprobs
 
 # DESIGN.md measured ~5e-7 between vLLM's CPU build and transformers at T=0.7 in fp32; the
@@ -260,7 +261,7 @@ def test_vllm_engine_loads_a_round_and_stamps_its_version(vllm_engine, hf, tmp_p
     assert [g[0].token_ids for g in vllm_engine.generate(ids, 1, s)] == before
 
 
-# ---- multi-turn episodes (actors/episodes.py) on the running vLLM engine ------------------------
+# ---- multi-turn episodes (actors/envs/episodes.py) on the running vLLM engine ------------------------
 
 
 class _Counter:
@@ -294,8 +295,8 @@ def _play(vllm_engine, tiny_model_dir, n: int, raise_on: int = -1, max_turns: in
     from collections import Counter
 
     from actors.config import GeneratorConfig
-    from actors.episodes import run_episodes
-    from buffer.protocol import PromptGroup
+    from actors.envs.episodes import run_episodes
+    from buffer.messages import PromptGroup
 
     _Counter.made.clear()
     cfg = GeneratorConfig(model=str(tiny_model_dir), max_turns=max_turns, max_new_tokens=4, use_chat_template=False,
@@ -320,8 +321,8 @@ def test_a_multi_turn_episode_is_the_policys_ids_and_the_environments_ids_as_the
     engine sampled each turn with the environment's encoded answers between them (never the text
     re-tokenised); the mask marks the engine's; its behaviour log-probs are the learner's log-probs
     of the policy's tokens in that context; the reward is the environment's."""
-    from actors.env import encode_observation
-    from actors.episodes import rollout_of
+    from actors.envs.api import encode_observation
+    from actors.envs.episodes import rollout_of
 
     episodes, turns, prompt, counts = _play(vllm_engine, tiny_model_dir, n=2)
     tok = vllm_engine.tokenizer
@@ -360,7 +361,7 @@ def test_a_broken_environment_fails_its_episode_only_and_turns_are_bounded(vllm_
 
 
 
-# ---- the OpenAI endpoint for agent code (actors/openai_server.py) on the running vLLM engine ---------
+# ---- the OpenAI endpoint for agent code (actors/agents/openai_server.py) on the running vLLM engine ---------
 
 
 _ADDED: dict = {}  # session id -> the texts its agent added, in order
@@ -404,9 +405,9 @@ def test_openai_endpoint_records_the_engines_ids_and_the_agents_exactly(vllm_eng
     from collections import Counter
 
     from actors.config import GeneratorConfig
-    from actors.episodes import rollout_of
-    from actors.openai_server import AgentServer
-    from buffer.protocol import PromptGroup
+    from actors.envs.episodes import rollout_of
+    from actors.agents.openai_server import AgentServer
+    from buffer.messages import PromptGroup
 
     from transformers import AutoTokenizer
 

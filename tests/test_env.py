@@ -1,4 +1,4 @@
-"""The environment API (actors/env.py): the guessing game, OpenRLHF agent files, failures, the loader.
+"""The environment API (actors/envs/api.py): the guessing game, OpenRLHF agent files, failures, the loader.
 
 All in one process and fast: environments are plain Python, episodes run on one asyncio loop.
 """
@@ -14,8 +14,8 @@ import time
 
 import pytest
 
-from actors.env import (BadReturn, EnvFailure, EnvLoadError, Environment, Row, StepResult, check_step,
-                        encode_observation, load_env, run_episode, run_reset, run_step)
+from actors.envs.api import BadReturn, EnvFailure, EnvLoadError, Environment, Row, StepResult, check_step, encode_observation, run_episode, run_reset, run_step
+from actors.envs.loader import load_env
 from demo.guess import HI, HIGHER, INVALID, LO, bisection_policy, make_problems, prompt_of, split_secrets
 
 
@@ -398,13 +398,13 @@ def test_loader_errors_say_what_is_wrong(tmp_path):
     with pytest.raises(EnvLoadError, match="^generator.env='nope.py': no such file"):
         load_env("nope.py", key="generator.env")
     assert load_env(f"{envs}:Sized", {"size": 4})().size == 4
-    assert type(load_env("actors.env:Environment")()) is Environment  # an importable module
+    assert type(load_env("actors.envs.api:Environment")()) is Environment  # an importable module
     old = load_env(str(tmp_path / "old_agent.py"))()
     assert asyncio.run(run_episode(old, Row("p"), always_one, max_turns=3, timeout_s=1.0)).reward == 1.0
 
 
 def test_a_row_from_a_leased_prompt_group():
-    from buffer.protocol import ChatMessage, PromptGroup
+    from buffer.messages import ChatMessage, PromptGroup
 
     group = PromptGroup(group_id=7, prompt="guess 1-31\n", label="5", index=3,
                         messages=[ChatMessage("system", "play"), ChatMessage("user", "guess 1-31\n")])

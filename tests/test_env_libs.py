@@ -1,6 +1,6 @@
-"""TextArena's games through the adapter (actors/env_libs.py), played with the real textarena 0.7.4.
+"""TextArena's games through the adapter (actors/envs/arena.py), played with the real textarena 0.7.4.
 
-Episodes run as the generator runs them, through actors.env's run_reset/run_step (run_episode),
+Episodes run as the generator runs them, through actors.envs.api's run_reset/run_step (run_episode),
 with scripted policies in place of a model; everything is offline and takes well under a second.
 """
 
@@ -15,7 +15,8 @@ import pytest
 
 ta = pytest.importorskip("textarena")
 
-from actors.env import EnvFailure, EnvLoadError, Row, load_env, run_episode, run_reset, run_step  # noqa: E402
+from actors.envs.api import EnvFailure, EnvLoadError, Row, run_episode, run_reset, run_step  # noqa: E402
+from actors.envs.loader import load_env  # noqa: E402
 
 GUESS = "textarena:GuessTheNumber-v0"
 HINT = re.compile(r"\[(\d+)\]\n\[GAME\] The target number is (higher|lower)\.")

@@ -21,7 +21,7 @@ import pytest
 import zmq
 
 from buffer.client import BufferClient
-from buffer.protocol import Rollout, RolloutsMsg, ScoredMsg, decode, encode
+from buffer.messages import Rollout, RolloutsMsg, ScoredMsg, decode, encode
 from common.wire import ProtocolError
 from conftest import ROOT, free_port_block, subprocess_env
 from weight_sync import messages as wsm

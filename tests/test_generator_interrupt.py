@@ -27,7 +27,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from actors.engines import Completion, Engine
+from actors.engines.base import Completion, Engine
 from actors.generator import generate_batch
 from actors.weight_hook import WeightSyncHook
 from buffer.client import BufferClient

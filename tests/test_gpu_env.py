@@ -50,7 +50,7 @@ def spy():
     calls.append(os.environ.get("{NVML_CHECK}"))
     return real()
 torch.cuda.is_available = spy
-from actors.vllm_engine import _vllm_kwargs
+from actors.engines.vllm.engine import _vllm_kwargs
 kw = _vllm_kwargs("m", "", "float32", 0, 1, 0.0, 0, "")
 from vllm.platforms import current_platform
 print(json.dumps({{"calls": calls, "gmu": kw["gpu_memory_utilization"], "cuda": current_platform.is_cuda_alike()}}))

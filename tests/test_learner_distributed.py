@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 
 from buffer.client import BufferClient
-from buffer.protocol import LeaseGrant
+from buffer.messages import LeaseGrant
 from common.ready import read_ready
 from conftest import free_port_block, subprocess_env
 from test_learner_step import make_group

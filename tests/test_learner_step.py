@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from buffer.client import BufferDone
-from buffer.protocol import Batch, Rollout, ScoredRollout
+from buffer.messages import Batch, Rollout, ScoredRollout
 from learner.batching import mini_batches, to_train_batch
 from learner.config import LearnerConfig
 

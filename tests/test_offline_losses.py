@@ -5,11 +5,11 @@ import math
 import pytest
 import torch
 
-from learner.dpo import dpo_loss
-from learner.offline import pack_batch, pad_batch
-from learner.datasets import Encoded
-from learner.rm import bradley_terry_loss
-from learner.sft import sft_loss
+from learner.offline.dpo import dpo_loss
+from learner.offline.loop import pack_batch, pad_batch
+from learner.offline.datasets import Encoded
+from learner.offline.rm import bradley_terry_loss
+from learner.offline.sft import sft_loss
 
 
 def t(*xs):

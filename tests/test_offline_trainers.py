@@ -17,7 +17,7 @@ import torch
 
 from demo.arithmetic import make_problems, warm_start, write_jsonl
 from learner.metrics import read_metrics
-from learner.offline_config import DPOConfig, RMConfig, SFTConfig
+from learner.offline.config import DPOConfig, RMConfig, SFTConfig
 from tests.conftest import ROOT, free_port_block, subprocess_env
 
 
@@ -65,9 +65,9 @@ def arithmetic_data(tmp_path_factory, tiny_model_dir):
 def test_packed_rows_give_the_same_logprobs_as_separate_ones(tiny_model_dir):
     from transformers import AutoModelForCausalLM
 
-    from learner.datasets import Encoded
+    from learner.offline.datasets import Encoded
     from learner.modeling import token_logprobs
-    from learner.offline import pack_batch, pad_batch
+    from learner.offline.loop import pack_batch, pad_batch
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
     a = Encoded([1, 10, 11, 12, 13, 14], [0, 0, 0, 1, 1, 1])
@@ -86,7 +86,7 @@ def test_packed_rows_give_the_same_logprobs_as_separate_ones(tiny_model_dir):
 def test_reward_model_from_a_causal_lm_keeps_its_backbone(tiny_model_dir):
     from transformers import AutoModelForCausalLM
 
-    from learner.rm import load_reward_model
+    from learner.offline.rm import load_reward_model
 
     lm = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
     rm = load_reward_model(str(tiny_model_dir), pad_token_id=0)
@@ -106,7 +106,7 @@ MEMORY = {"best fruit?": "mango", "cat name?": "tom", "sky color?": "blue", "luc
 def test_sft_drives_the_loss_down_and_reproduces_a_memorised_answer(tmp_path, tiny_model_dir, packing):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from learner import sft
+    from learner.offline import sft
 
     rows = [{"prompt": q + " ", "response": a + "\n"} for q, a in MEMORY.items()]
     data = write_jsonl(rows, tmp_path / "memory.jsonl")
@@ -134,7 +134,7 @@ def test_sft_with_lora_trains_an_adapter_that_peft_loads(tmp_path, tiny_model_di
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    from learner import sft
+    from learner.offline import sft
     from learner.modeling import token_logprobs
 
     rows = [{"prompt": q + " ", "response": a + "\n"} for q, a in MEMORY.items()]
@@ -156,7 +156,7 @@ def test_sft_with_lora_trains_an_adapter_that_peft_loads(tmp_path, tiny_model_di
 
 
 def test_dpo_raises_heldout_preference_accuracy(tmp_path, arithmetic_data):
-    from learner import dpo
+    from learner.offline import dpo
 
     cfg = DPOConfig(**common(tmp_path, arithmetic_data["model"], "dpo", dataset=str(arithmetic_data["train"]),
                              eval_dataset=str(arithmetic_data["eval"]), epochs=2, batch_size=32, micro_batch_size=32,
@@ -176,7 +176,7 @@ def test_dpo_raises_heldout_preference_accuracy(tmp_path, arithmetic_data):
 
 
 def test_ipo_on_the_fly_reference_starts_at_the_hand_worked_loss(tmp_path, arithmetic_data):
-    from learner import dpo
+    from learner.offline import dpo
 
     # h = 0 at the start, so IPO's loss is (0 - 1 / (2 * 0.5))^2 = 1; the NLL term is logged apart
     cfg = DPOConfig(**common(tmp_path, arithmetic_data["model"], "ipo", dataset=str(arithmetic_data["eval"]),
@@ -194,8 +194,8 @@ def test_reward_model_learns_heldout_pairs_and_the_scorer_loads_it(tmp_path, ari
     from transformers import AutoConfig
 
     from actors.rewards import RewardModel
-    from buffer.protocol import Rollout
-    from learner import rm
+    from buffer.messages import Rollout
+    from learner.offline import rm
 
     cfg = RMConfig(**common(tmp_path, arithmetic_data["model"], "rm", dataset=str(arithmetic_data["train"]),
                             eval_dataset=str(arithmetic_data["eval"]), epochs=2, batch_size=32, micro_batch_size=32,
@@ -285,7 +285,7 @@ def test_launch_sft_runs_from_yaml_and_names_a_bad_row(tmp_path, tiny_model_dir)
 @pytest.mark.slow
 def test_two_ranks_zero3_match_one_rank(tmp_path, tiny_model_dir):
     """torchrun, 2 ranks, ZeRO-3, 2 micro-batches per rank per step: the same held-out losses as one rank."""
-    from learner import dpo
+    from learner.offline import dpo
 
     rows = [{"prompt": q + " ", "chosen": a, "rejected": a[::-1] + "x"} for q, a in MEMORY.items()]
     data = write_jsonl(rows, tmp_path / "pairs.jsonl")

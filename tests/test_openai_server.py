@@ -1,4 +1,4 @@
-"""The OpenAI-compatible endpoint for agent code (actors/openai_server.py, actors/agent_sessions.py)
+"""The OpenAI-compatible endpoint for agent code (actors/agents/openai_server.py, actors/agents/sessions.py)
 over real HTTP with the real `openai` client, the engine a scripted stand-in (every turn samples
 "ab"), so what is checked is the sessions' bookkeeping; tests/test_engines.py has the same
 endpoint on the vLLM engine (exact ids, log-probs against the learner)."""
@@ -13,12 +13,12 @@ import httpx
 import openai
 import pytest
 
-from actors.agent_sessions import encode_turn, load_agent
+from actors.agents.sessions import encode_turn, load_agent
 from actors.config import GeneratorConfig
-from actors.engines import Completion, Sampling
-from actors.env import EnvLoadError
-from actors.openai_server import AgentServer
-from buffer.protocol import PromptGroup
+from actors.engines.base import Completion, Sampling
+from actors.envs.api import EnvLoadError
+from actors.agents.openai_server import AgentServer
+from buffer.messages import PromptGroup
 from demo.tiny_model import build_tokenizer
 
 TEMPLATE = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}</s>\n{% endfor %}"

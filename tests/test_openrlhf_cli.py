@@ -55,7 +55,7 @@ def local(argv):
 
 
 def on_ray(argv):
-    from launch.ray_config import load
+    from launch.cluster.config import load
 
     return load(None, list(argv))
 
@@ -103,7 +103,7 @@ def sample(opt: dict, files: dict) -> list[str]:
 
 
 def test_every_0_11_2_flag_is_mapped_accepted_or_refused_by_name(files):
-    from launch.openrlhf import SAME_KEYS, spec
+    from launch.openrlhf.flags import SAME_KEYS, spec
 
     flags = FIXTURE["flags"]
     assert FIXTURE["count"] == len(flags) == 167
@@ -212,7 +212,7 @@ def test_values_convert_with_the_same_meaning(files):
 
 
 def test_legacy_and_dotted_names_set_the_same_config(files):
-    from launch.openrlhf import spec
+    from launch.openrlhf.flags import spec
 
     quick_start_names = [a[2:] for a in QUICK_START if a.startswith("--")]
     usual = ["prompt_data", "input_key", "label_key", "apply_chat_template", "input_template", "prompt_data_probs",
@@ -265,7 +265,7 @@ def test_quick_start_parses_through_launch_local_and_launch_ray(files):
 
 def test_ray_bundles_reserve_the_gpus_only_on_a_gpu_cluster(files):
     from launch.devices import parse_fake
-    from launch.ray_devices import RayDevices
+    from launch.cluster.devices import RayDevices
 
     rcfg, run = on_ray(quick_start(files, "--vllm_tensor_parallel_size", "2", "--scorer.device", "cuda"))
     gpu = RayDevices.make(run, rcfg, parse_fake("8"))  # the separate layout: each process its planned GPUs
@@ -293,7 +293,7 @@ def test_colocation_flags_set_run_placement_on_both_launchers(files, flags, plac
 
 
 def test_sleep_flags_are_accepted_and_say_time_sharing_is_not_done(files):
-    from launch.openrlhf import spec
+    from launch.openrlhf.flags import spec
 
     for name in ("vllm.enable_sleep", "ds.enable_sleep", "vllm_enable_sleep", "deepspeed_enable_sleep"):
         assert not spec(name).targets and not spec(name).refused and "time-sharing" in spec(name).why
@@ -320,7 +320,7 @@ def test_drop_in_takes_openrlhf_defaults_and_the_users_flags_win(files):
 
 def test_help_lists_the_flags_grouped_with_their_meaning_fast():
     from launch.ray import __doc__ as ray_doc
-    from launch.ray_config import ray_help
+    from launch.cluster.config import ray_help
 
     t0 = time.monotonic()
     out = subprocess.run([sys.executable, "-m", "launch.local", "--help"], cwd=ROOT, capture_output=True,

@@ -241,10 +241,10 @@ def test_a_live_buffer_leases_chat_prompts_of_mixed_datasets_with_their_labels(t
 
 
 def test_encode_prompt_renders_messages_as_the_template_and_the_offline_loader_do():
-    from actors.generator import encode_prompt
-    from buffer.protocol import ChatMessage
+    from actors.prompts import encode_prompt
+    from buffer.messages import ChatMessage
     from demo.tiny_model import build_tokenizer, vocab
-    from learner.datasets import encode_messages
+    from learner.offline.datasets import encode_messages
 
     V = vocab()
     chat = [{"role": "system", "content": "Add."}, {"role": "user", "content": "1+1="}]
@@ -281,7 +281,7 @@ def stored_groups(state_dir: Path) -> list:
     (its state log keeps those for a resume)."""
     import msgpack
 
-    from buffer.protocol import decode_item
+    from buffer.messages import decode_item
     from buffer.store import LOG_NAME
 
     with open(state_dir / LOG_NAME, "rb") as f:

@@ -4,7 +4,7 @@ import msgpack
 import numpy as np
 import pytest
 
-from buffer.protocol import (
+from buffer.messages import (
     ID_DTYPE,
     LOGPROB_DTYPE,
     SCHEMA_VERSION,

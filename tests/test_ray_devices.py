@@ -1,4 +1,4 @@
-"""launch.ray gives every role process the GPUs of the run's device plan (launch/ray_devices.py).
+"""launch.ray gives every role process the GPUs of the run's device plan (launch/cluster/devices.py).
 
 Without Ray: the plan's nodes from `ray.nodes()`, what each process reserves per layout, the
 refusals (a vLLM generator with no GPU on a GPU cluster, a Ray reservation under a colocated
@@ -34,13 +34,13 @@ QUICK_START = ["--actor.num_gpus_per_node", "8", "--ref.num_gpus_per_node", "8",
 
 
 def load(*flags: str):
-    from launch.ray_config import load as load_ray
+    from launch.cluster.config import load as load_ray
 
     return load_ray(None, [*BASE, *flags], paths=False)
 
 
 def devices(nodes, *flags: str, gpu_cluster=None):
-    from launch.ray_devices import RayDevices
+    from launch.cluster.devices import RayDevices
 
     rcfg, run = load(*flags)
     return RayDevices.make(run, rcfg, nodes, gpu_cluster=gpu_cluster)
@@ -55,7 +55,7 @@ def ray_node(gpus: float, alive: bool = True, ip: str = "10.0.0.1") -> dict:
 
 
 def test_plan_nodes_come_from_the_clusters_alive_gpu_nodes():
-    from launch.ray_devices import DEFAULT_GPU_GB, cluster_nodes
+    from launch.cluster.devices import DEFAULT_GPU_GB, cluster_nodes
 
     listed = [ray_node(0, ip="10.0.0.9"), ray_node(4, ip="10.0.0.2"), ray_node(8, alive=False, ip="10.0.0.3"),
               ray_node(8, ip="10.0.0.4")]
@@ -107,8 +107,8 @@ def test_colocated_layout_holds_one_gpu_group_per_node_and_processes_reserve_non
 
 def test_a_vllm_generator_without_a_gpu_on_a_gpu_cluster_is_refused():
     from launch.devices import parse_fake
-    from launch.ray_config import ResourceError
-    from launch.ray_devices import cluster_nodes
+    from launch.cluster.config import ResourceError
+    from launch.cluster.devices import cluster_nodes
 
     with pytest.raises(ResourceError, match=r"ray.generator.num_gpus=0\).*pile onto GPU 0"):
         devices(parse_fake("8"), "--ray.generator.num_gpus", "0")
@@ -191,7 +191,7 @@ def ray_gpus():
 def fake_job(tmp_path, *flags: str):
     """A RayRun whose role processes report their devices (REPORT) instead of running the role."""
     from launch.process import PYTHON
-    from launch.ray_run import RayRun
+    from launch.cluster.run import RayRun
 
     (tmp_path / "run").mkdir()
     rcfg, run = load("--run.run_dir", str(tmp_path / "run"), "--ray.placement_timeout_s", "15", *SMALL, *flags)
@@ -234,7 +234,7 @@ def ids(text: str | None) -> list[str]:
 
 
 def test_separate_layout_each_process_sees_only_its_own_gpus(ray_gpus, tmp_path):
-    from launch.ray_scale import scale_to
+    from launch.cluster.scale import scale_to
 
     job = fake_job(tmp_path, "--run.learner_ranks", "2", "--run.num_generators", "1",
                    "--generator.tensor_parallel_size", "2", "--scorer.device", "cuda", "--run.placement", "separate")
@@ -263,7 +263,7 @@ def test_separate_layout_each_process_sees_only_its_own_gpus(ray_gpus, tmp_path)
 
 
 def test_colocated_layout_processes_get_the_ids_of_their_planned_bundles(ray_gpus, tmp_path):
-    from launch.ray_scale import scale_to
+    from launch.cluster.scale import scale_to
     from launch.roles import State
 
     class Holder:  # (defined here: Ray sends it by value)

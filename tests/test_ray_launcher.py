@@ -55,7 +55,7 @@ SMALL = ["--ray.buffer.num_cpus", "0.25", "--ray.weight_sync.num_cpus", "0.25", 
 
 def test_ray_section_is_read_apart_from_the_run_config(tmp_path):
     from launch.config import ConfigError
-    from launch.ray_config import split_ray_section
+    from launch.cluster.config import split_ray_section
 
     cfg = tmp_path / "run.yaml"
     cfg.write_text("ray:\n  generator: {num_gpus: 1, strategy: SPREAD}\n  max_restarts: 5\nlearner:\n  lr: 0.1\n")
@@ -72,7 +72,7 @@ def test_ray_section_is_read_apart_from_the_run_config(tmp_path):
 
 
 def test_paths_become_absolute_and_addresses_reach_every_role(tmp_path, monkeypatch):
-    from launch.ray_config import load, tie_addresses
+    from launch.cluster.config import load, tie_addresses
 
     monkeypatch.chdir(ROOT)
     prompts = tmp_path / "p.jsonl"
@@ -94,7 +94,7 @@ def test_paths_become_absolute_and_addresses_reach_every_role(tmp_path, monkeypa
 
 
 def test_resource_check_names_the_role_and_the_resource():
-    from launch.ray_config import ResourceError, check_resources
+    from launch.cluster.config import ResourceError, check_resources
 
     two_nodes = [{"CPU": 8.0, "GPU": 2.0}, {"CPU": 8.0, "GPU": 2.0}]
     fits = [("learner", [{"CPU": 1.0, "GPU": 1.0}] * 4, "PACK"), ("generator", [{"CPU": 1.0}] * 2, "SPREAD")]
@@ -119,7 +119,7 @@ def test_failures_give_exit_codes_and_only_core_roles_are_resumed(tmp_path):
     from types import SimpleNamespace
 
     from launch.ray import FinalExit, RunFailed, attempt_code
-    from launch.ray_config import ResourceError
+    from launch.cluster.config import ResourceError
     from launch.recovery import Stalled, with_auto_resume
 
     said: list[str] = []
@@ -168,7 +168,7 @@ def test_failures_give_exit_codes_and_only_core_roles_are_resumed(tmp_path):
 def test_both_launchers_start_the_processes_of_one_plan(monkeypatch):
     """launch.local and launch.ray build their roles from launch.roles.plan: the same processes in the
     same order and argv; the learner is one torchrun process locally and a process per rank on Ray."""
-    from launch.ray_config import load
+    from launch.cluster.config import load
     from launch.roles import CONFIG, RestartPolicy, State, after_exit, plan
 
     monkeypatch.chdir(ROOT)

@@ -10,7 +10,7 @@ ever served, and staleness is never negative.
 import msgpack
 import pytest
 
-from buffer.protocol import Wait
+from buffer.messages import Wait
 from buffer.rules import describe_wait
 from buffer.state import RequestError, Sample
 from buffer.store import StateStore

@@ -5,7 +5,7 @@ weight-sync service's own account of a publish round's fan-out. Driven directly,
 import json
 
 from buffer.config import BufferConfig
-from buffer.protocol import LeaseGrant
+from buffer.messages import LeaseGrant
 from buffer.prompts import load_prompts
 from buffer.state import BufferState
 from weight_sync import buckets as bk

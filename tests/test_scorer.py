@@ -23,7 +23,7 @@ import torch
 from actors.config import ScorerConfig
 from actors.scorer import Scorer
 from buffer.client import BufferClient
-from buffer.protocol import ID_DTYPE, LOGPROB_DTYPE, Rollout, ScoredMsg, decode, encode
+from buffer.messages import ID_DTYPE, LOGPROB_DTYPE, Rollout, ScoredMsg, decode, encode
 from tests.conftest import ROOT, free_port_block, subprocess_env
 
 ARITHMETIC = str(ROOT / "examples" / "rewards" / "arithmetic.py")

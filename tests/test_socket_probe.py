@@ -22,7 +22,7 @@ import pytest
 import zmq
 
 from buffer.client import BufferClient
-from buffer.protocol import BatchRequest, Error, MetricsRequest, Rollout, decode, encode
+from buffer.messages import BatchRequest, Error, MetricsRequest, Rollout, decode, encode
 from conftest import ROOT, free_port_block, subprocess_env
 from weight_sync import messages as wsm
 from weight_sync.client import GeneratorSyncClient

@@ -1,6 +1,6 @@
-"""The tools environment (actors/tool_env.py): a turn calls tools or answers; tools that fail are observations.
+"""The tools environment (actors/envs/tool_env.py): a turn calls tools or answers; tools that fail are observations.
 
-Episodes run through actors.env's run_reset/run_step (run_episode) with scripted policies; the
+Episodes run through actors.envs.api's run_reset/run_step (run_episode) with scripted policies; the
 tools are the real calculator and the real Python sandbox (a subprocess per call).
 """
 
@@ -12,9 +12,11 @@ import re
 
 import pytest
 
-from actors.env import EnvFailure, EnvLoadError, Row, StepResult, load_env, run_episode, run_reset, run_step
-from actors.tool_env import ToolEnv, exact_match
-from actors.tools import Calculator, Tool, ToolRegistry
+from actors.envs.api import EnvFailure, EnvLoadError, Row, StepResult, run_episode, run_reset, run_step
+from actors.envs.loader import load_env
+from actors.envs.tool_env import ToolEnv, exact_match
+from actors.tools.calculator import Calculator
+from actors.tools.registry import Tool, ToolRegistry
 
 TASK = Row(prompt="365*48+801=", label="18321")
 TAGS = {"tools": ["calculator"], "format": "tags"}
@@ -144,10 +146,10 @@ def test_a_reward_function_file_scores_the_answer_and_one_that_raises_fails_the_
     ({"tools": ["calculator"], "formt": "tags"}, r"unknown argument\(s\) \['formt'\]"),
     ({"tools": ["calculator"], "format": "xml"}, r"tool format must be 'hermes' or 'tags', got 'xml'"),
     ({"tools": {"python": {"timeout": 1}}}, r"tool 'python' cannot take \{'timeout': 1\}"),
-    ({"tools": ["actors.tools:ToolCall"]}, r"tool 'actors.tools:ToolCall' is not a subclass of actors.tools.Tool"),
+    ({"tools": ["actors.tools.registry:ToolCall"]}, r"tool 'actors.tools.registry:ToolCall' is not a subclass of actors.tools.registry.Tool"),
     ({"tools": ["calculator"], "max_calls": 0}, r"max_calls=0; expected a whole number >= 1"),
     ({"tools": ["calculator"], "reward": "nope.py"}, r"no such file 'nope.py'"),
-    ({"tools": ["calculator"], "reward": "actors.tools:nothing"}, r"actors.tools defines no 'nothing'"),
+    ({"tools": ["calculator"], "reward": "actors.tools.registry:nothing"}, r"actors.tools.registry defines no 'nothing'"),
 ])
 def test_bad_tool_env_arguments_are_refused_at_load(kwargs, why):
     with pytest.raises(EnvLoadError, match=r"generator\.env='tools': " + why):
@@ -155,14 +157,14 @@ def test_bad_tool_env_arguments_are_refused_at_load(kwargs, why):
 
 
 def test_in_the_generators_loop_a_tool_turn_is_the_policys_ids_then_the_results_ids():
-    """ToolEnv in actors.episodes' loop, the tiny character tokenizer, a scripted stand-in for the engine."""
+    """ToolEnv in actors.envs.episodes' loop, the tiny character tokenizer, a scripted stand-in for the engine."""
     from collections import Counter
     from types import SimpleNamespace
 
     from actors.config import GeneratorConfig
-    from actors.engines import Completion, Sampling
-    from actors.episodes import rollout_of, run_episodes
-    from buffer.protocol import PromptGroup
+    from actors.engines.base import Completion, Sampling
+    from actors.envs.episodes import rollout_of, run_episodes
+    from buffer.messages import PromptGroup
     from demo.tiny_model import build_tokenizer
 
     tok = build_tokenizer()
@@ -217,8 +219,8 @@ def test_hermes_prompts_carry_the_tools_schemas_and_a_cut_turn_is_closed():
     """With hermes, the generator renders each prompt with the tools' schemas as `tools=` (the
     tags format does not: such templates describe JSON calls); a turn a stop string or the token
     limit ended gets the template's end-of-turn id before the observation."""
-    from actors.episodes import close_turn
-    from actors.generator import encode_prompt
+    from actors.envs.episodes import close_turn
+    from actors.prompts import encode_prompt
     from demo.tiny_model import build_tokenizer
 
     tok = build_tokenizer()

@@ -11,9 +11,11 @@ import tracemalloc
 
 import pytest
 
-from actors.sandbox import SandboxLimits
-from actors.tools import (Calculator, HermesFormat, PythonTool, TagFormat, Tool, ToolCall, ToolRegistry, ToolResult,
-                          make_format, template_turn, tool_messages)
+from actors.tools.sandbox import SandboxLimits
+from actors.tools.calculator import Calculator
+from actors.tools.formats import HermesFormat, TagFormat, make_format, template_turn, tool_messages
+from actors.tools.registry import Tool, ToolCall, ToolRegistry, ToolResult
+from actors.tools.sandbox import PythonTool
 
 FAST = SandboxLimits(timeout_s=2.0, memory_mb=256)
 

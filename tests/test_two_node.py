@@ -53,7 +53,7 @@ def test_custom_resources_pin_roles_and_curve_auto_follows_the_placed_services(m
     """No cluster: `ray.<role>.resources` go into the role's bundle; `run.curve auto` is decided by
     the IPs the services were placed on (on unless all are loopback), `on`/`off` stay."""
     from launch.config import ConfigError
-    from launch.ray_config import decide_curve, load
+    from launch.cluster.config import decide_curve, load
 
     monkeypatch.chdir(ROOT)
     rcfg, run = load("examples/demo.yaml", ["--learner.model_path", ".", "--buffer.prompts", "examples/demo.yaml",

@@ -323,7 +323,7 @@ def test_disk_round_and_disk_catch_up(tmp_path, tiny_model_dir, seed1_model_dir)
 
 
 # ---------------------------------------------------------------------------------------------
-# the plan load (actors.vllm_load) against vLLM's own load_weights
+# the plan load (actors.engines.vllm.load) against vLLM's own load_weights
 
 _DIRECT_COPY_CHECK = r"""
 import json, os, sys, tempfile
@@ -332,7 +332,7 @@ from safetensors.torch import load_file
 from vllm.config import ModelConfig, VllmConfig, set_current_vllm_config
 from vllm.distributed import init_distributed_environment, initialize_model_parallel
 from vllm.model_executor.models.llama import LlamaForCausalLM
-from actors.vllm_load import apply_plan, load_plan
+from actors.engines.vllm.load import apply_plan, load_plan
 
 model_dir = sys.argv[1]
 cfg = VllmConfig(model_config=ModelConfig(model=model_dir, dtype="float32"))

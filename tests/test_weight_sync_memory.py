@@ -304,7 +304,7 @@ def _whole(named) -> torch.nn.Module:
 
 
 def _worker_class():
-    from actors.vllm_worker import WorkerExtension
+    from actors.engines.vllm.worker import WorkerExtension
 
     class Worker(WorkerExtension):
         """The parts of a vLLM worker `WorkerExtension` uses (its model, config, `reload_weights`)."""

@@ -513,7 +513,7 @@ def test_a_tensor_parallel_engine_whose_ranks_disagree_after_a_failed_round_stop
     """Each tensor-parallel worker is a member of its own: one can load a round another was left
     out of. After a failed round the engine asks every worker which version it holds; shards of two
     versions are "weights damaged" (fatal), one version is the old weights (the round's error stands)."""
-    from actors.vllm_engine import _VLLMBackend
+    from actors.engines.vllm.engine import _VLLMBackend
     from weight_sync.receiver import fatal
 
     class Workers(_VLLMBackend):  # the check alone, no engine behind it

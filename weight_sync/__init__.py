@@ -10,7 +10,7 @@ One publish, in the order a reader meets it:
 3. both ends meet on the sender's rendezvous store, `round.RoundStore`: members say `join`, the
    sender writes each attempt's roster, they build the attempt's group and the sender broadcasts
    the buckets (`sender._run_round` on one side, `receiver.receive_buckets` on the other);
-4. the generator's engine loads the views (`actors.vllm_worker`, `receiver.receive_into_model`),
+4. the generator's engine loads the views (`actors.engines.vllm.worker`, `receiver.receive_into_model`),
    stamps itself with the round's version and reports `Done`; the sender reports `RoundResult`.
 
 Imports nothing of the project but `common/`.

@@ -12,7 +12,7 @@ A generator's loop (finish mode):
         ... lease prompts, generate a batch, push rollouts ...
 
 where `info` is a `RoundInfo` and `engine.receive_weights(info)` loads it and stamps the engine
-with `info.version` (vLLM: through `collective_rpc` into `actors.vllm_worker.WorkerExtension`;
+with `info.version` (vLLM: through `collective_rpc` into `actors.engines.vllm.worker.WorkerExtension`;
 transformers: `weight_sync.receiver.receive_into_model`). If it raises (`RoundMissed`: the round
 went on without this generator; its weights are untouched), report `done(version, ok=False)` or
 nothing: the next poll brings a catch-up round.

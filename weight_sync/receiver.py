@@ -1,6 +1,6 @@
 """The receiving end of a round: join the round's group, take the buckets, hand back named views.
 
-Used inside a generator's engine: vLLM's worker (`actors.vllm_worker.WorkerExtension`) and the
+Used inside a generator's engine: vLLM's worker (`actors.engines.vllm.worker.WorkerExtension`) and the
 plain transformers backend (`receive_into_model`). A member's steps (the keys and the attempts
 are in `weight_sync/round.py`):
 

@@ -6,7 +6,7 @@
       stop_token_ids: [88]      # "\\n" in the tiny tokenizer: a guess is one line
 
 The generator calls `agent(base_url, row)` once per sample, `base_url` naming that sample's
-session of its OpenAI-compatible endpoint (actors/openai_server.py). Nothing here knows about
+session of its OpenAI-compatible endpoint (actors/agents/openai_server.py). Nothing here knows about
 Conveyor's token ids: the agent sends plain completions requests, keeps the game's state itself,
 and returns the reward; the generator records the ids it sampled and the ids of the game's
 answers, and makes the session one rollout. The same agent runs against any OpenAI-compatible

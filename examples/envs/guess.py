@@ -1,13 +1,13 @@
 """The guessing game (demo/guess.py) as an environment: the secret is the row's label.
 
-Name it `guess` (its name in actors/env.py's NAMED_ENVS) or `examples/envs/guess.py:GuessEnv`
-wherever an environment is named (`actors.env.load_env`); its arguments (`max_turns`,
+Name it `guess` (its name in actors/envs/loader.py's NAMED_ENVS) or `examples/envs/guess.py:GuessEnv`
+wherever an environment is named (`actors.envs.loader.load_env`); its arguments (`max_turns`,
 `turn_penalty`) are the environment's kwargs. It is written as any environment file is: a class
 with `reset(row)` and `step(action)`, one instance per episode. The class lives here rather than in
 actors/ because actors/ does not import demo/, and a file loaded by path is what users write.
 """
 
-from actors.env import Environment, Row, StepResult
+from actors.envs.api import Environment, Row, StepResult
 from demo.guess import MAX_TURNS, TURN_PENALTY, Game
 
 

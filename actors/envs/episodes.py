@@ -1,0 +1,190 @@
+"""Multi-turn episodes in the generator: the policy writes, an environment answers, the policy
+writes again, and the whole episode becomes one rollout.
+
+Every episode of a lease runs as its own coroutine: sample a turn, step the environment (bounded by
+`generator.env_timeout_s`), append the observation, again. Turns waiting to be sampled go to the
+engine together (`Batcher`: one batch at a time, in a worker thread, while the event loop steps
+the environments), so a slow environment holds back its own episode only. The context
+is token ids from start to end: the policy's ids as the engine sampled them (with their behaviour
+log-probs and versions) and the environment's ids as `actors.envs.api.encode_observation` encodes its
+observation, never a re-tokenisation of the text so far. The rollout's completion is every id after
+the prompt; `action_mask` says which the policy sampled (1) and which the environment added (0,
+behaviour log-prob 0, the version of the policy's turn before them).
+
+A turn ends at the tokenizer's eos, a stop token, or a stop string of the environment's (`env.stop`,
+e.g. `</calc>` of the tools' tags format, kept in the turn); with a chat template, a turn that did
+not end with the template's end-of-turn token gets it appended as the environment's.
+
+Limits: `generator.max_turns` policy turns, `generator.max_new_tokens` per turn, and
+`generator.max_context_tokens` in all (prompt and completion; 0: prompt_max_len + max_turns x
+max_new_tokens); an episode that reaches one ends with finish_reason `length` (counted as
+truncated). One that ends because its environment said done ends with `stop`. The episode's reward
+(the sum of its steps' rewards) travels as `Rollout.env_reward`; a scorer with kind `env` makes it a
+reward component.
+
+An environment that raises, outlives its timeout or returns what the API does not allow fails its
+episode (`actors.envs.api.EnvFailure`, counted by kind); as with a prompt refused, the episode's group is
+given up (the buffer takes a group whole), never the generator.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections import Counter
+from dataclasses import dataclass, field, replace
+
+import numpy as np
+
+from actors.engines.base import Engine, Sampling
+from actors.prompts import encode_prompt
+from actors.envs.api import EnvFailure, Row, encode_observation, run_reset, run_step
+from buffer.messages import ID_DTYPE, LOGPROB_DTYPE, PromptGroup, Rollout
+from common.wire import MASK_DTYPE
+
+log = logging.getLogger("conveyor.generator")
+
+
+@dataclass
+class Episode:
+    group: PromptGroup
+    sample_index: int
+    env: object
+    prompt_ids: list[int]
+    ids: list[int] = field(default_factory=list)  # the completion so far: the policy's and the environment's
+    mask: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+    texts: list[str] = field(default_factory=list)
+    reward: float = 0.0
+    turns: int = 0
+    finish: str = ""  # "" while it runs; "stop" | "length"
+    failure: EnvFailure | None = None
+
+    def add(self, ids, mask: int, logprobs=None, versions=None, text: str = "") -> None:
+        self.ids += ids
+        self.mask += [mask] * len(ids)
+        self.logprobs += list(logprobs) if logprobs is not None else [0.0] * len(ids)
+        last = self.versions[-1] if self.versions else 0
+        self.versions += list(versions) if versions is not None else [last] * len(ids)
+        self.texts.append(text)
+
+
+def context_limit(cfg) -> int:
+    return cfg.max_context_tokens or cfg.prompt_max_len + cfg.max_turns * cfg.max_new_tokens
+
+
+def close_turn(tokenizer, turn_ids: list[int], role: str | None, use_chat_template: bool) -> list[int]:
+    """The end-of-turn id a chat template writes after an assistant message, when the policy's turn
+    did not sample it (a stop string, or the token limit, ended the turn): appended as the
+    environment's (masked), so the context stays the conversation's ids. [] without a template."""
+    if role is None or not use_chat_template or not getattr(tokenizer, "chat_template", None):
+        return []
+    eot = tokenizer.convert_tokens_to_ids(tokenizer.eos_token)
+    return [] if turn_ids and turn_ids[-1] == eot else [eot]
+
+
+def run_episodes(groups: list[PromptGroup], prompt_ids: list[list[int]], n: int, engine: Engine,
+                 sampling: Sampling, cfg, factory, generate, counts: Counter) -> dict[int, list[Episode]]:
+    """Every episode of the lease's groups (n per prompt), played to its end: {group_id: episodes}.
+    `generate(contexts, sampling)` samples one completion per context (the engine's batch)."""
+    return asyncio.run(_play(groups, prompt_ids, n, engine, sampling, cfg, factory, generate, counts))
+
+
+class Batcher:
+    """The engine's batches for episodes that each go at their own pace: a turn waiting to be
+    sampled joins the next batch (contexts of the same sampling settings go together), which runs
+    in a worker thread while the event loop keeps stepping environments. So a slow environment
+    holds back its own episode, not the others, and the engine is never asked twice at once."""
+
+    def __init__(self, generate):
+        self.generate = generate
+        self.waiting: list[tuple[list[int], Sampling, asyncio.Future]] = []
+        self.wake = asyncio.Event()
+        self.batches = 0
+
+    async def sample(self, context: list[int], sampling: Sampling):
+        fut = asyncio.get_running_loop().create_future()
+        self.waiting.append((context, sampling, fut))
+        self.wake.set()
+        return await fut
+
+    async def serve(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            await self.wake.wait()
+            self.wake.clear()
+            await asyncio.sleep(0)  # (every episode ready now joins this batch)
+            batch, self.waiting = self.waiting, []
+            by_sampling: dict[tuple, list] = {}
+            for item in batch:
+                s = item[1]
+                by_sampling.setdefault((s.max_tokens, s.temperature, s.top_p, s.top_k, tuple(s.stop)), []).append(item)
+            for items in by_sampling.values():
+                try:
+                    out = await loop.run_in_executor(None, self.generate, [c for c, _, _ in items], items[0][1])
+                except Exception as e:  # (the engine refused a context: every episode of the batch hears it)
+                    for _, _, fut in items:
+                        fut.set_exception(e)
+                    continue
+                self.batches += 1
+                for (_, _, fut), c in zip(items, out):
+                    fut.set_result(c)
+
+
+async def _play(groups, prompt_ids, n, engine, sampling, cfg, factory, generate, counts):
+    tok = engine.tokenizer
+    episodes = [Episode(g, j, factory(), list(ids)) for g, ids in zip(groups, prompt_ids) for j in range(n)]
+    limit = context_limit(cfg)
+    batcher = Batcher(generate)
+
+    async def play(e: Episode) -> None:
+        opening = await run_reset(e.env, Row.of(e.group), cfg.env_timeout_s, counts)
+        if isinstance(opening, EnvFailure):
+            e.failure = opening
+            return
+        if opening is not None:  # the environment's own opening replaces the prompt, encoded as a prompt is
+
+            e.prompt_ids = encode_prompt(tok, opening, cfg.use_chat_template)
+        role = getattr(e.env, "observation_role", "user")
+        turn = replace(sampling, stop=[*sampling.stop, *getattr(e.env, "stop", ())])
+        while True:
+            room = limit - len(e.prompt_ids) - len(e.ids)
+            c = await batcher.sample(e.prompt_ids + e.ids, replace(turn, max_tokens=max(1, min(turn.max_tokens, room))))
+            e.add(c.token_ids, 1, c.logprobs,
+                  c.versions if c.versions is not None else [engine.version] * len(c.token_ids), c.text)
+            e.turns += 1
+            res = await run_step(e.env, c.text, cfg.env_timeout_s, counts)
+            if isinstance(res, EnvFailure):
+                e.failure = res  # (counted by kind in `counts` by run_step)
+                return
+            e.reward += float(res.reward)
+            if res.done:
+                e.finish = "stop"
+                return
+            obs = close_turn(tok, c.token_ids, role, cfg.use_chat_template)
+            obs += encode_observation(tok, res.observation, role, use_chat_template=cfg.use_chat_template)
+            if e.turns >= cfg.max_turns or len(e.prompt_ids) + len(e.ids) + len(obs) >= limit:
+                e.finish = "length"  # a turn limit or the context limit: truncated, as a long completion is
+                counts["episodes_truncated"] += 1
+                return
+            e.add(list(obs), 0, text=res.observation)
+
+    server = asyncio.create_task(batcher.serve())
+    try:
+        await asyncio.gather(*(play(e) for e in episodes))
+    finally:
+        server.cancel()
+    counts["episodes_failed"] += sum(e.failure is not None for e in episodes)
+    counts["engine_batches"] += batcher.batches
+    return {g.group_id: [e for e in episodes if e.group.group_id == g.group_id] for g in groups}
+
+
+def rollout_of(e: Episode, lease_id: int, worker_id: str) -> Rollout:
+    """The episode as one rollout: the prompt, then every turn's ids, the policy's marked in the mask."""
+    return Rollout(
+        group_id=e.group.group_id, sample_index=e.sample_index, lease_id=lease_id,
+        prompt_ids=np.asarray(e.prompt_ids, dtype=ID_DTYPE), completion_ids=np.asarray(e.ids, dtype=ID_DTYPE),
+        behav_logprobs=np.asarray(e.logprobs, dtype=LOGPROB_DTYPE), versions=np.asarray(e.versions, dtype=ID_DTYPE),
+        prompt=e.group.prompt, completion="".join(e.texts), label=e.group.label, finish_reason=e.finish,
+        worker_id=worker_id, action_mask=np.asarray(e.mask, dtype=MASK_DTYPE), env_reward=e.reward)

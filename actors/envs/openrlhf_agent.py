@@ -1,0 +1,164 @@
+"""OpenRLHF 0.11 agent files, run unchanged and without OpenRLHF installed.
+
+Such a file imports `openrlhf.utils.agent`; while `actors.envs.loader.load_env` executes it, that module is
+a stand-in (`openrlhf_standin`) holding this file's `AgentInstanceBase`, `AgentExecutorBase` and
+`MultiTurnAgentExecutor`. OpenRLHF takes the agent class from the file's `AgentExecutor` (its
+`agent_instance_cls`); `OpenRLHFAgent` plays that class as a Conveyor `Environment`, feeding it
+the states OpenRLHF feeds it and passing on what it returns (`rewards`, `scores`,
+`environment_feedback`, `done`, `extra_logs`) as OpenRLHF uses them.
+"""
+
+from __future__ import annotations
+
+import abc
+import inspect
+import logging
+import sys
+import types
+from contextlib import contextmanager
+
+from actors.envs.api import BadReturn, EnvLoadError, Environment, Row, StepResult, brief, check_text, flag, number
+
+log = logging.getLogger("conveyor.env")
+
+
+class AgentInstanceBase(abc.ABC):
+    """OpenRLHF's base of an agent instance: one per episode, `reset` then `step` per turn."""
+
+    @abc.abstractmethod
+    def __init__(self, *args, **kwargs):
+        pass
+
+    async def reset(self, states: dict, **kwargs):
+        return states
+
+    @abc.abstractmethod
+    async def step(self, state_dict: dict, **kwargs):
+        raise NotImplementedError
+
+
+class AgentExecutorBase(abc.ABC):
+    """OpenRLHF's base of an executor, which runs a whole episode against its engine (not used here)."""
+
+    @abc.abstractmethod
+    async def execute(self, prompt, label, sampling_params, max_length: int, hf_tokenizer, llm_engine, images=None):
+        raise NotImplementedError
+
+
+class MultiTurnAgentExecutor(AgentExecutorBase):
+    """OpenRLHF's multi-turn executor; here it only names the agent class: the generator runs the turns."""
+
+    def __init__(self, agent_instance_cls):
+        if not (isinstance(agent_instance_cls, type) and issubclass(agent_instance_cls, AgentInstanceBase)):
+            raise TypeError(f"{agent_instance_cls!r} must inherit from AgentInstanceBase")
+        self.agent_instance_cls = agent_instance_cls
+
+    async def execute(self, prompt, label, sampling_params, max_length: int, hf_tokenizer, llm_engine, images=None):
+        raise NotImplementedError("Conveyor's generator runs the turns; the agent is played by actors.envs.api")
+
+
+@contextmanager
+def openrlhf_standin():
+    """`openrlhf.utils.agent` (and `.logging_utils`) in sys.modules while an agent file is executed."""
+    names = ("openrlhf", "openrlhf.utils", "openrlhf.utils.agent", "openrlhf.utils.logging_utils")
+    saved = {n: sys.modules.get(n) for n in names}
+    root, utils, agent, logs = (types.ModuleType(n) for n in names)
+    root.utils, utils.agent, utils.logging_utils = utils, agent, logs
+    agent.AgentInstanceBase, agent.AgentExecutorBase = AgentInstanceBase, AgentExecutorBase
+    agent.MultiTurnAgentExecutor = MultiTurnAgentExecutor
+    logs.init_logger = logging.getLogger
+    sys.modules.update(zip(names, (root, utils, agent, logs)))
+    try:
+        yield
+    finally:
+        for n, m in saved.items():
+            if m is None:
+                sys.modules.pop(n, None)
+            else:
+                sys.modules[n] = m
+
+
+def agent_class(module: types.ModuleType, where: str) -> type:
+    """The agent class of an OpenRLHF agent file: `AgentExecutor().agent_instance_cls`, else `AgentInstance`."""
+    executor = getattr(module, "AgentExecutor", None)
+    if isinstance(executor, type) and issubclass(executor, MultiTurnAgentExecutor):
+        if executor.execute is not MultiTurnAgentExecutor.execute:
+            log.warning("%s: AgentExecutor.execute is not called: the generator runs the turns", where)
+        try:
+            return executor().agent_instance_cls
+        except Exception as e:
+            raise EnvLoadError(f"{where}: AgentExecutor() raised {type(e).__name__}: {e}") from None
+    cls = getattr(module, "AgentInstance", None)
+    if isinstance(cls, type) and issubclass(cls, AgentInstanceBase):
+        if executor is not None:
+            log.warning("%s: AgentExecutor is not a MultiTurnAgentExecutor; playing AgentInstance", where)
+        return cls
+    raise EnvLoadError(f"{where}: an OpenRLHF agent file must define `AgentExecutor(MultiTurnAgentExecutor)` "
+                       "or `AgentInstance(AgentInstanceBase)`; to load another class, name it: file.py:ClassName")
+
+
+class OpenRLHFAgent(Environment):
+    """An OpenRLHF agent class played as OpenRLHF's MultiTurnAgentExecutor plays it.
+
+    One instance per episode; `reset({"observation": prompt, "label": label})` returns
+    `{"observation": text}`; each `step` gets `{"observation_text": the text before this action
+    (the opening, then each action and feedback), "action_text", "label", "sampling_params"}` and
+    returns `rewards` (summed over the episode), `environment_feedback` (appended as text), `done`,
+    and optionally `scores` (the episode's score for dynamic filtering: the last step's, else the
+    reward so far), `extra_logs` and `sampling_params` (passed on in `info`; the generator may set
+    `sampling_params` to what the agent should see). With a chat template, OpenRLHF's observation
+    text would hold the rendered prompt where this holds the plain one. An `async def __init__` (as
+    OpenRLHF's README writes one) is awaited.
+    """
+
+    observation_role = None  # environment_feedback is appended as text, as OpenRLHF does
+
+    def __init__(self, agent_cls: type, kwargs: dict | None = None, sampling_params=None):
+        self.agent_cls, self.kwargs, self.sampling_params = agent_cls, dict(kwargs or {}), sampling_params
+        self.agent = None
+        self.label: str | None = None
+        self.observation_text = ""  # the opening, then every action and feedback so far
+        self.total_reward = 0.0
+
+    async def reset(self, row: Row) -> str | None:
+        if inspect.iscoroutinefunction(self.agent_cls.__init__):
+            self.agent = self.agent_cls.__new__(self.agent_cls)
+            await self.agent.__init__(**self.kwargs)
+        else:
+            self.agent = self.agent_cls(**self.kwargs)
+        out = await _maybe_await(self.agent.reset({"observation": row.prompt, "label": row.label}))
+        if not isinstance(out, dict) or not isinstance(out.get("observation"), str):
+            raise BadReturn(f"returned {brief(out)}, expected {{'observation': str}}")
+        self.label, self.observation_text, self.total_reward = row.label, out["observation"], 0.0
+        return None if out["observation"] == row.prompt else out["observation"]
+
+    async def step(self, action: str) -> StepResult:
+        states = {"observation_text": self.observation_text, "action_text": action, "label": self.label,
+                  "sampling_params": self.sampling_params}
+        out = await _maybe_await(self.agent.step(states))
+        if not isinstance(out, dict):
+            raise BadReturn(f"returned {brief(out)}, expected a dict")
+        missing = [k for k in ("rewards", "environment_feedback", "done") if k not in out]
+        if missing:
+            raise BadReturn(f"returned a dict without {', '.join(map(repr, missing))} (it has {sorted(out)})")
+        if out.get("environment_images"):
+            raise BadReturn("returned environment_images: image feedback is not supported")
+        feedback, reward = out["environment_feedback"], number(out["rewards"], "rewards")
+        check_text(feedback, "environment_feedback")
+        self.total_reward += reward
+        scores = out.get("scores", self.total_reward)
+        info = {"scores": None if scores is None else number(scores, "scores"),
+                "extra_logs": {k: _plain(v) for k, v in (out.get("extra_logs") or {}).items()}}
+        if out.get("sampling_params") is not None:
+            info["sampling_params"] = out["sampling_params"]  # OpenRLHF samples the next turn with them
+        self.observation_text += action + feedback
+        return StepResult(feedback, reward, flag(out["done"], "done"), info)
+
+
+async def _maybe_await(x):
+    return await x if inspect.isawaitable(x) else x
+
+
+def _plain(x):
+    """An extra_logs value as OpenRLHF logs it: a tensor's first element as a number."""
+    return x.flatten()[0].item() if hasattr(x, "flatten") and hasattr(x, "item") else x

@@ -1,0 +1,6 @@
+"""The offline trainers: supervised fine-tuning, DPO and reward models, without the buffer.
+
+Reading order: `config.py` (sections `sft:`, `dpo:`, `rm:`), `datasets.py` (rows to tokenized
+sequences), `loop.py` (the loop the three share: data in, DeepSpeed steps, metrics, saves), then one
+trainer: `sft.py`, `dpo.py`, `rm.py`. The DeepSpeed setup is the RL learner's (`learner/engine.py`).
+"""
