@@ -26,12 +26,14 @@ STAMP  := $(VENV)/.installed-$(STACK)$(if $(and $(filter gpu,$(STACK)),$(TORCH_C
 TORCH_CPU_INDEX ?= https://download.pytorch.org/whl/cpu
 PYTEST_ARGS ?=
 
-.PHONY: install check-cuda demo demo-agent test bench clean help
+.PHONY: install check-cuda demo demo-agent test test-fast lint bench clean help
 
 help:
 	@echo "make demo     set up (first time) and run the demo"
 	@echo "make demo-agent  the multi-turn agent demo (multiplication with a calculator tool)"
-	@echo "make test     set up (first time) and run the whole test suite"
+	@echo "make test     set up (first time) and run the whole test suite (lint first)"
+	@echo "make test-fast  the unit lane: every test not marked slow (a few minutes)"
+	@echo "make lint     ruff on the tree (its rules: pyproject.toml)"
 	@echo "make bench    run the benchmarks in bench/"
 	@echo "make install  create $(VENV)/ and install the $(STACK) stack (STACK=cpu|gpu to choose;"
 	@echo "              TORCH_CUDA=cu128 VLLM_WHEEL=... for a driver older than R580: see the Makefile)"
@@ -76,8 +78,14 @@ demo: install
 demo-agent: install
 	$(PY) -m launch.demo --demo.task calc
 
-test: install
+lint: install
+	$(VENV)/bin/ruff check .
+
+test: lint
 	$(PY) -m pytest $(PYTEST_ARGS)
+
+test-fast: lint
+	$(PY) -m pytest -m "not slow" $(PYTEST_ARGS)
 
 bench: install
 	$(PY) bench/transport.py

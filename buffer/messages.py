@@ -35,7 +35,7 @@ from msgspec import Meta, Struct
 
 from buffer.rollouts import (  # noqa: F401 (the field types and rollouts are part of this module's API)
     MAX_ID, MAX_ITEMS, MAX_STR, MAX_TOKENS, Id, Ids, LogProbs, Mask, Numbers, Rank, Rollout, Scalars, ScoredRollout,
-    Seconds, Text, _as_arrays, _CheckedScored)
+    Seconds, Text, as_arrays, CheckedScored)
 from common.wire import GROUP_DTYPE, ProtocolError, field_decoder, short
 from common.wire import ID_DTYPE, LOGPROB_DTYPE, MASK_DTYPE, pack_array  # noqa: F401 (part of this module's API)
 
@@ -138,7 +138,7 @@ class Resume(Message, tag="resume"):
     trained: Annotated[memoryview, GROUP_DTYPE] = b""  # (K,) int64
 
     def __post_init__(self) -> None:
-        _as_arrays(self)
+        as_arrays(self)
 
 
 class MetricsRequest(Message, tag="metrics_request"):
@@ -227,7 +227,7 @@ TYPE_NAMES = frozenset(_TYPES)
 
 
 def _enc_hook(obj: Any) -> Any:
-    if isinstance(obj, np.ndarray):  # a packed array (already of its wire dtype: see `_as_arrays`)
+    if isinstance(obj, np.ndarray):  # a packed array (already of its wire dtype: see `as_arrays`)
         return obj.data if obj.flags.c_contiguous else obj.tobytes()
     raise TypeError(f"cannot encode {type(obj).__name__}")
 
@@ -238,9 +238,9 @@ _ENCODER = msgspec.msgpack.Encoder(enc_hook=_enc_hook)
 def encode_item(item: Rollout | ScoredRollout) -> bytes:
     """One rollout frame (what `rollouts`, `scored` and `batch` messages carry after the envelope)."""
     # arrays assigned after construction (never converted) get the wire dtype here
-    _as_arrays(item)
+    as_arrays(item)
     if isinstance(item, ScoredRollout):
-        _as_arrays(item.rollout)
+        as_arrays(item.rollout)
     return _ENCODER.encode(item)
 
 
@@ -254,7 +254,7 @@ def encode(msg: Any) -> list[bytes]:
         return encode_batch(msg.step, msg.rank, msg.world_size, [encode_item(s) for s in msg.scored], msg.stats)
     if isinstance(msg, Message) and not isinstance(msg, (RolloutsHeader, ScoredHeader, BatchHeader)):
         if isinstance(msg, Resume):
-            _as_arrays(msg)
+            as_arrays(msg)
         return [_ENCODER.encode(msg)]
     raise TypeError(f"not a protocol message: {type(msg).__name__}")
 
@@ -280,7 +280,7 @@ class _Head(Struct):
 _HEAD = field_decoder(_Head)
 _DECODERS = {kind: field_decoder(cls) for kind, cls in _TYPES.items()}
 _ITEMS = {"rollouts": field_decoder(Rollout), "scored": field_decoder(ScoredRollout)}
-_CHECK = msgspec.msgpack.Decoder(_CheckedScored)
+_CHECK = msgspec.msgpack.Decoder(CheckedScored)
 
 
 def _size(f: Any, where: str) -> int:

@@ -3,7 +3,7 @@
 A rollout travels in a frame of its own (see `buffer.messages`). Token ids, log-probs, versions
 and masks are packed little-endian arrays (msgpack `bin`) that arrive as `numpy.frombuffer` views
 over the received bytes; `Rollout.__post_init__` takes a fast path for a frame just decoded and
-well formed. `check_scored`'s types (`_CheckedRollout`, `_CheckedScored`) are the same types with
+well formed. `check_scored`'s types (`_CheckedRollout`, `CheckedScored`) are the same types with
 the arrays left as the bytes they came as. `buffer.messages` re-exports everything here.
 """
 
@@ -49,7 +49,7 @@ def _packed_fields(cls: type) -> tuple[tuple[str, np.dtype], ...]:
     return tuple(out)
 
 
-def _as_arrays(obj: Struct) -> None:
+def as_arrays(obj: Struct) -> None:
     """Packed bytes (just decoded) -> read-only views; anything else (lists, arrays of another
     dtype, CPU tensors) -> contiguous arrays of the wire dtype."""
     fields = _PACKED.get(type(obj))
@@ -130,7 +130,7 @@ class Rollout(Struct):
             if self.action_mask is not None:
                 self.action_mask = _frombuffer(self.action_mask, MASK_DTYPE)
             return
-        _as_arrays(self)
+        as_arrays(self)
         _same_length(self, ("behav_logprobs", "versions", "action_mask"), len(self.completion_ids))
 
     def version_range(self) -> tuple[int, int] | None:
@@ -168,7 +168,7 @@ class ScoredRollout(Struct):
         if not self.failed and not math.isfinite(self.reward):
             raise ProtocolError("reward", f"not finite ({self.reward})")
         if self.ref_logprobs is not None:
-            _as_arrays(self)
+            as_arrays(self)
             _same_length(self, ("ref_logprobs",), len(self.rollout.completion_ids))
 
 
@@ -187,7 +187,7 @@ class _CheckedRollout(Rollout):
             raise _Refused
 
 
-class _CheckedScored(ScoredRollout):
+class CheckedScored(ScoredRollout):
     rollout: _CheckedRollout
 
     def __post_init__(self) -> None:

@@ -11,8 +11,8 @@ from __future__ import annotations
 import importlib
 import types
 
-MOVED = {  # old module -> new module
-    "actors.engines": "actors.engines.base",
+MOVED = {  # old module -> new module (`actors.engines`, `actors.tools`, `launch.openrlhf` and
+    # `learner.offline` became packages of their own name, which keep their package names)
     "actors.transformers_engine": "actors.engines.hf",
     "actors.vllm_engine": "actors.engines.vllm.engine",
     "actors.vllm_worker": "actors.engines.vllm.worker",
@@ -22,11 +22,9 @@ MOVED = {  # old module -> new module
     "actors.tool_env": "actors.envs.tool_env",
     "actors.env_libs": "actors.envs.arena",
     "actors.openrlhf_agent": "actors.envs.openrlhf_agent",
-    "actors.tools": "actors.tools.registry",
     "actors.sandbox": "actors.tools.sandbox",
     "actors.agent_sessions": "actors.agents.sessions",
     "actors.openai_server": "actors.agents.openai_server",
-    "learner.offline": "learner.offline.loop",
     "learner.offline_config": "learner.offline.config",
     "learner.datasets": "learner.offline.datasets",
     "learner.sft": "learner.offline.sft",
@@ -40,7 +38,6 @@ MOVED = {  # old module -> new module
     "launch.ray_run": "launch.cluster.run",
     "launch.ray_scale": "launch.cluster.scale",
     "launch.ray_status": "launch.cluster.status",
-    "launch.openrlhf": "launch.openrlhf.flags",
     "launch.openrlhf_resolve": "launch.openrlhf.resolve",
 }
 

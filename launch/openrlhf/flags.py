@@ -34,7 +34,7 @@ from typing import Any, Callable
 
 from common.config import Alias, parse_bool
 
-_UNSET = object()  # no value: a refusal with no harmless value, a flag with no `only` check
+UNSET = object()  # no value: a refusal with no harmless value, a flag with no `only` check
 
 
 @dataclass(frozen=True)
@@ -46,8 +46,8 @@ class Spec:
     convert: Callable[[str], Any] = str
     why: str = ""
     refused: bool = False
-    default: Any = _UNSET
-    only: Any = _UNSET  # accepted at this value only (a check, not a refusal): `why` says where else it works
+    default: Any = UNSET
+    only: Any = UNSET  # accepted at this value only (a check, not a refusal): `why` says where else it works
     shares: str = ""  # a critic setting the policy's learner key holds for both: accepted when they agree
 
 
@@ -59,7 +59,7 @@ def note(why: str) -> Spec:
     return Spec((), str, why)
 
 
-def refuse(why: str, default: Any = _UNSET) -> Spec:
+def refuse(why: str, default: Any = UNSET) -> Spec:
     return Spec((), str, why, refused=True, default=default)
 
 
@@ -411,7 +411,7 @@ def names() -> list[str]:
 
 
 def alias(name: str, s: Spec) -> Alias:
-    if s.refused or s.only is not _UNSET:
+    if s.refused or s.only is not UNSET:
         return Alias((f"extra.refused:{name}",))
     if s.shares:
         return Alias((f"extra.shared:{name}",), s.convert)
@@ -440,10 +440,10 @@ def describe() -> list[str]:
     rows: dict[str, list[str]] = {"mapped": [], "accepted": [], "refused": []}
     for name, s in [*TABLE.items(), *LEGACY_ONLY.items()]:
         flag = f"--{name}" + "".join(f" [--{o}]" for o in old.get(name, []))
-        if s.only is not _UNSET or s.shares:
+        if s.only is not UNSET or s.shares:
             rows["accepted"].append(f"  {flag}: " + (f"accepted at {s.only!r}; " if s.shares == "" else "") + s.why)
         elif s.refused:
-            at = "" if s.default is _UNSET else f" (accepted at its default {s.default!r})"
+            at = "" if s.default is UNSET else f" (accepted at its default {s.default!r})"
             rows["refused"].append(f"  {flag}: {s.why}{at}")
         elif not s.targets:
             rows["accepted"].append(f"  {flag}: {s.why}")

@@ -14,7 +14,7 @@ import math
 from typing import Any
 
 from common.config import ConfigError, is_set, parse_bool
-from launch.openrlhf.flags import _UNSET, floats, spec
+from launch.openrlhf.flags import UNSET, floats, spec
 
 
 def same(value: Any, default: Any) -> bool:
@@ -37,11 +37,11 @@ def same(value: Any, default: Any) -> bool:
 def refusal(name: str, value: Any) -> str:
     """The one-line message of a refused flag, or "" where its value is OpenRLHF's default (harmless)."""
     s = spec(name)
-    if s is not None and s.only is not _UNSET:
+    if s is not None and s.only is not UNSET:
         return "" if same(value, s.only) else f"--{name} {value}: {s.why}"
-    if s is None or not s.refused or (s.default is not _UNSET and same(value, s.default)):
+    if s is None or not s.refused or (s.default is not UNSET and same(value, s.default)):
         return ""
-    at = "" if s.default is _UNSET else f" (accepted only at OpenRLHF's default, {s.default!r})"
+    at = "" if s.default is UNSET else f" (accepted only at OpenRLHF's default, {s.default!r})"
     return f"--{name} {value}: {s.why}{at}"
 
 
@@ -91,7 +91,7 @@ def resolve(run, explicit: dict | None = None) -> None:
 
 
 def placement(run, explicit: dict) -> None:
-    """OpenRLHF's colocation flags as `run.placement` (launch/devices.py), unless the user set it:
+    """OpenRLHF's colocation flags as `run.placement` (launch/devices/plan.py), unless the user set it:
     `--train.colocate_all` (`--colocate_all_models`) colocate; `--train.colocate_actor_ref` or
     `--train.colocate_critic_reward` colocate_scorers (the critic trains inside the learner ranks,
     the reference and reward models are the scorers'), unless colocate_all is on too."""
