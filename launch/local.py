@@ -17,7 +17,7 @@ restarts the whole run from its last checkpoint, up to N times. A run that finis
 `run.stall_timeout_s` stops with exit code 8 and the buffer's account of why. Each such event is
 said on the terminal and in `<run_dir>/logs/launcher.log`.
 
-Before anything starts, the run's device plan (launch/devices.py) gives every role process its own
+Before anything starts, the run's device plan (launch/devices/) gives every role process its own
 GPUs (CUDA_VISIBLE_DEVICES), or a memory share of one it shares, and refuses a layout that cannot
 fit with the numbers (exit code 2); `--plan` prints it and exits:
 
@@ -40,7 +40,7 @@ import sys
 import time
 from pathlib import Path
 
-from launch.plan_view import device_plan, print_plan  # noqa: F401 (launch.demo takes them from here)
+from launch.devices.view import device_plan, print_plan  # noqa: F401 (launch.demo takes them from here)
 from launch.recovery import EXIT_CODES, RESUMABLE
 
 

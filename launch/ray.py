@@ -20,7 +20,7 @@ cluster, runs the attempts (auto-resume) and gives the exit code.
 - Addresses are discovered: the buffer's and the weight-sync service's actors report their node's
   IP and free ports, and every role's resolved config (`<run_dir>/configs/<role>.yaml`) says them;
   `run.curve auto` is decided from those IPs (CurveZMQ on unless they are loopback).
-- GPUs: the run's device plan (launch/devices.py, as launch.local's) is made on the cluster's
+- GPUs: the run's device plan (launch/devices/, as launch.local's) is made on the cluster's
   alive nodes before anything is placed, and a run that does not fit is refused with the numbers
   (exit 2). Every role process gets the plan's GPUs as CUDA_VISIBLE_DEVICES (launch/cluster/devices.py):
   in the separate layout each reserves its own as Ray `num_gpus` (Ray's ids are disjoint); in a
@@ -217,7 +217,7 @@ def print_plan(rcfg, run) -> int:
     joined, nothing written), with what each role process reserves from Ray; 0, or 2 with the
     numbers when the run does not fit."""
     from launch.config import ConfigError
-    from launch.plan_view import print_plan as show
+    from launch.devices.view import print_plan as show
     from launch.cluster.devices import RayDevices, offline_nodes
 
     nodes, notes = offline_nodes(run)

@@ -160,7 +160,7 @@ def generator_spec(run, i: int, launcher: str, restart: RestartPolicy) -> RoleSp
 def plan(run, launcher: str, restart: RestartPolicy, devices=None) -> list[RoleSpec]:
     """The processes of `run` in start order, for `launcher` "local" or "ray"; `restart` is the
     generators' and scorers' policy (run.max_restarts or ray.max_restarts); `devices` the run's
-    device plan (launch/devices.py): each process's GPUs and memory share, and a role that
+    device plan (launch/devices/): each process's GPUs and memory share, and a role that
     shares a device with the next is waited for before the next starts."""
     specs = _plan(run, launcher, restart)
     if devices is not None:

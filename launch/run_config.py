@@ -75,11 +75,11 @@ class RunConfig(Section):
     gpus: str = "auto"
     """GPUs the run may use on each machine: `auto` (every GPU nvidia-smi lists, or
     $CONVEYOR_FAKE_GPUS for planning: "8", "2x8", "8:141"), `none` (every role on the CPU), or
-    device indices such as `0,1,2,3`. launch/devices.py gives each role its own (`--plan` prints it)."""
+    device indices such as `0,1,2,3`. launch/devices/ gives each role its own (`--plan` prints it)."""
     gpu_memory_gb: float = Field(0.0, ge=0)
     """Memory of each GPU in GiB for the plan's memory check; 0: as nvidia-smi reports it."""
     placement: Literal["auto", "separate", "colocate", "colocate_scorers"] = "auto"
-    """How roles share GPUs (launch/devices.py): `separate` (every process on GPUs of its own),
+    """How roles share GPUs (launch/devices/plan.py): `separate` (every process on GPUs of its own),
     `colocate` (engines and scorers on the learner's GPUs, with memory shares: OpenRLHF's
     --colocate_all_models), `colocate_scorers` (scorers on the learner's GPUs: --colocate_actor_ref,
     --colocate_critic_reward), `auto` (separate when the GPUs suffice, else the next that fits)."""

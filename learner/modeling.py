@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from learner.packing import PackedRows, pack_rows
 
 
-MEMORY_SHARE_ENV = "CONVEYOR_CUDA_MEMORY_FRACTION"  # set by the launcher's device plan (launch/devices.py)
+MEMORY_SHARE_ENV = "CONVEYOR_CUDA_MEMORY_FRACTION"  # set by the launcher's device plan (launch/devices/plan.py)
 
 
 def cuda_index(local_rank: int, count: int) -> int:

@@ -1,4 +1,4 @@
-"""The device plan (launch/devices.py): layouts for 1-8 GPUs on a node and 2 nodes x 8, shares that
+"""The device plan (launch/devices/): layouts for 1-8 GPUs on a node and 2 nodes x 8, shares that
 fit, refusals with the numbers, and every role process's environment carrying its devices."""
 
 from __future__ import annotations
@@ -10,8 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from launch.devices import (GIB, USABLE, Demand, ModelSize, Node, Gpu, PlanError, learner_gb, local_gpus, make_plan,
-                            model_size, params_from_config, parse_fake)
+from launch.devices.gpus import Gpu, Node, PlanError, local_gpus, parse_fake
+from launch.devices.memory import GIB, Demand, ModelSize, learner_gb, model_size, params_from_config
+from launch.devices.plan import USABLE, make_plan
 
 ROOT = Path(__file__).resolve().parents[1]
 REWARD = str(ROOT / "demo" / "arithmetic.py")

@@ -264,7 +264,7 @@ def test_quick_start_parses_through_launch_local_and_launch_ray(files):
 
 
 def test_ray_bundles_reserve_the_gpus_only_on_a_gpu_cluster(files):
-    from launch.devices import parse_fake
+    from launch.devices.gpus import parse_fake
     from launch.cluster.devices import RayDevices
 
     rcfg, run = on_ray(quick_start(files, "--vllm_tensor_parallel_size", "2", "--scorer.device", "cuda"))

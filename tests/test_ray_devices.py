@@ -71,7 +71,7 @@ def test_plan_nodes_come_from_the_clusters_alive_gpu_nodes():
 
 
 def test_separate_layout_reserves_what_the_plan_gives_each_process():
-    from launch.devices import parse_fake
+    from launch.devices.gpus import parse_fake
 
     d = devices(parse_fake("8"), "--run.learner_ranks", "2", "--run.num_generators", "2",
                 "--generator.tensor_parallel_size", "2", "--scorer.device", "cuda", "--run.placement", "separate")
@@ -89,7 +89,7 @@ def test_separate_layout_reserves_what_the_plan_gives_each_process():
 
 
 def test_colocated_layout_holds_one_gpu_group_per_node_and_processes_reserve_none():
-    from launch.devices import parse_fake
+    from launch.devices.gpus import parse_fake
 
     d = devices(parse_fake("8"), "--run.learner_ranks", "4", "--run.num_generators", "2",
                 "--generator.tensor_parallel_size", "2", "--run.num_scorers", "2", "--scorer.device", "cuda",
@@ -106,7 +106,7 @@ def test_colocated_layout_holds_one_gpu_group_per_node_and_processes_reserve_non
 
 
 def test_a_vllm_generator_without_a_gpu_on_a_gpu_cluster_is_refused():
-    from launch.devices import parse_fake
+    from launch.devices.gpus import parse_fake
     from launch.cluster.config import ResourceError
     from launch.cluster.devices import cluster_nodes
 

@@ -1,4 +1,4 @@
-"""How `launch.ray` gives every role process the GPUs of the run's device plan (launch/devices.py).
+"""How `launch.ray` gives every role process the GPUs of the run's device plan (launch/devices/).
 
 The plan is made once per attempt, before anything is placed, on the cluster's alive nodes
 (`cluster_nodes`: each node's Ray `GPU` count; Ray does not report GPU memory, so it is
@@ -46,8 +46,9 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field, replace
 
-from launch.devices import FAKE_ENV, DevicePlan, Gpu, Node, Placement as Seat, PlanError, demand_of, local_gpus, \
-    make_plan, parse_fake
+from launch.devices.gpus import FAKE_ENV, Gpu, Node, PlanError, local_gpus, parse_fake
+from launch.devices.memory import demand_of
+from launch.devices.plan import DevicePlan, Placement as Seat, make_plan
 from launch.cluster.config import ResourceError
 from launch.roles import RoleSpec, place
 from weight_sync.round import nccl_env

@@ -54,7 +54,7 @@ class Proc:
 
     spec: RoleSpec
     slot: Slot | None = None
-    seat: Any = None  # its entry in the device plan (launch/devices.py Placement): devices, share
+    seat: Any = None  # its entry in the device plan (launch/devices/plan.py Placement): devices, share
     gpus: list = field(default_factory=list)  # the GPU ids it was given on its node
     env: dict = field(default_factory=dict)  # on top of the spec's (a learner rank's rendezvous)
     actor: Any = None

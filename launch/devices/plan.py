@@ -1,12 +1,5 @@
-"""The device plan: which GPUs each role process gets, what share of their memory, and whether it fits.
+"""The plan itself: each role process's devices, its share of each, and whether it fits.
 
-Decided once per run, before any role starts, by both launchers (`launch.local`, `launch.ray`),
-and printed by `--plan`. Everything here is plain arithmetic on the run config and the list of
-GPUs (no CUDA call), so every layout is tested on a CPU machine:
-
-    GPUs   run.gpus (a list of device indices), else $CONVEYOR_FAKE_GPUS ("8", "2x8", "8:141": N GPUs
-           of G GiB on each of K nodes, for planning on a machine without them), else nvidia-smi
-           (no CUDA initialisation); none found: every role runs on the CPU, nothing is planned
     roles  learner ranks (1 device each), generators (generator.tensor_parallel_size adjacent
            devices each, on one node; vLLM engines only), scorers (1 device when scorer.device
            is cuda); the buffer and the weight-sync service get no device (CUDA_VISIBLE_DEVICES="")
@@ -19,21 +12,9 @@ GPUs (no CUDA call), so every layout is tested on a CPU machine:
              colocate_scorers   engines on devices of their own, scorers on the learner's
                         (OpenRLHF's --colocate_actor_ref / --colocate_critic_reward)
              auto       separate when the devices suffice, else colocate_scorers, else colocate
-    memory per device, estimated from each model folder (parameter count from its safetensors
-           headers, else config.json; run.model_params_b when the folder is not on this machine):
-             learner rank   ZeRO/Adam: weights (dtype) + gradients (dtype) + Adam (fp32 master when
-                            not fp32, m, v), each divided by the ranks from the ZeRO stage that
-                            shards it; LoRA: the frozen weights only; a critic the same again;
-                            rank 0 also two weight-sync buckets while it sends, and the device slot
-                            when an engine shares its GPU (weight_sync.same_host=broadcast drops
-                            it); plus ACTIVATION_GB + CONTEXT_GB
-             engine         its share of the device (vLLM pre-allocates it), which must hold the
-                            weights / TP, one max_model_len sequence of KV cache and ACTIVATION_GB;
-                            the weight round's receive area (2 x weight_sync.bucket_mb) and a CUDA
-                            context come on top of the share
-             scorer         reward model + reference model (scorer.dtype) + ACTIVATION_GB + CONTEXT_GB
-           A device whose processes need more than USABLE of it is refused with the numbers and the
-           knob to turn (launch exits 2, the config error code).
+    memory each process's need per device (launch/devices/memory.py); a device whose processes need
+           more than USABLE of it is refused with the numbers and the knob to turn (launch exits 2,
+           the config error code).
 
 Each role process gets its devices as CUDA_VISIBLE_DEVICES (the plan's indices mapped through the
 launcher's own CUDA_VISIBLE_DEVICES), an engine its gpu_memory_utilization as a config override,
@@ -46,215 +27,16 @@ another process allocating or freeing meanwhile would falsify.
 
 from __future__ import annotations
 
-import json
 import math
-import os
-import shutil
-import struct
-import subprocess
 from dataclasses import dataclass, field
-from pathlib import Path
 
-FAKE_ENV = "CONVEYOR_FAKE_GPUS"
+from launch.devices.gpus import Gpu, Node, PlanError, local_gpus
+from launch.devices.memory import Demand, demand_of
+
 FRACTION_ENV = "CONVEYOR_CUDA_MEMORY_FRACTION"
-FAKE_GPU_GB = 80.0  # a fake GPU's memory unless "N:GiB" says otherwise
-GIB = float(1 << 30)
-CONTEXT_GB = 0.75  # a CUDA context and the libraries' workspaces, per process and device (outside torch's allocator)
-ACTIVATION_GB = 2.0  # activations and temporaries of a forward/backward (gradient checkpointing on for big models)
 USABLE = 0.95  # of a device's memory, what the plan hands out (the rest: fragmentation, NCCL's buffers)
 ENGINE_DEFAULT = 0.9  # vLLM's own default gpu_memory_utilization, for an engine with a device to itself
-DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 PLACEMENTS = ("auto", "separate", "colocate", "colocate_scorers")
-
-
-class PlanError(ValueError):
-    """The layout cannot work (too few devices, or a device over its memory); the message has the
-    numbers and the knob to turn."""
-
-
-@dataclass(frozen=True)
-class Gpu:
-    index: str  # the id CUDA_VISIBLE_DEVICES takes on its node (nvidia-smi's index)
-    memory_gb: float
-    name: str = ""
-    uuid: str = ""
-
-
-@dataclass
-class Node:
-    name: str
-    gpus: list[Gpu]
-
-
-# ---- model sizes ------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class ModelSize:
-    params: int  # parameter count
-    largest: int = 0  # elements of the largest tensor (a weight round's bucket holds it whole)
-    layers: int = 0
-    kv_bytes_per_token: int = 0  # K and V of every layer for one token, at 2 bytes an element
-    source: str = ""  # where the numbers came from
-
-
-def _safetensors_params(folder: Path) -> tuple[int, int] | None:
-    """(parameters, elements of the largest tensor) in a folder's safetensors files, from their
-    headers alone (no tensor is read)."""
-    files = sorted(folder.glob("*.safetensors"))
-    if not files:
-        return None
-    total = largest = 0
-    for f in files:
-        with open(f, "rb") as fh:
-            (n,) = struct.unpack("<Q", fh.read(8))
-            header = json.loads(fh.read(n))
-        for name, meta in header.items():
-            if name != "__metadata__":
-                numel = math.prod(meta.get("shape") or [1])
-                total += numel
-                largest = max(largest, numel)
-    return total, largest
-
-
-def params_from_config(cfg: dict) -> int:
-    """A decoder's parameter count from its config.json (Llama, Qwen, Mistral and their MoE kin):
-    embeddings, attention, (gated) MLP or routed experts, norms, the LM head unless tied."""
-    cfg = cfg.get("text_config", cfg)  # a vision-language model: its language model
-    h, n_layers, vocab = cfg["hidden_size"], cfg["num_hidden_layers"], cfg["vocab_size"]
-    heads = cfg.get("num_attention_heads", 1)
-    kv = cfg.get("num_key_value_heads") or heads
-    hd = cfg.get("head_dim") or h // heads
-    attn = h * heads * hd * 2 + h * kv * hd * 2  # q, o; k, v
-    experts = cfg.get("num_local_experts") or cfg.get("num_experts") or cfg.get("n_routed_experts") or 0
-    inter = cfg.get("intermediate_size", 4 * h)
-    if experts:
-        moe_inter = cfg.get("moe_intermediate_size") or inter
-        shared = cfg.get("shared_expert_intermediate_size") or (cfg.get("n_shared_experts") or 0) * moe_inter
-        mlp = experts * 3 * h * moe_inter + h * experts + 3 * h * shared
-    else:
-        mlp = 3 * h * inter
-    per_layer = attn + mlp + 2 * h
-    head = 0 if cfg.get("tie_word_embeddings", False) else vocab * h
-    return vocab * h + n_layers * per_layer + h + head
-
-
-def model_size(folder: str, params_b: float = 0.0) -> ModelSize | None:
-    """The size of the model in `folder`; `params_b` (billions) when given wins. None when neither
-    the folder nor `params_b` tells (the memory check is then skipped, and the plan says so)."""
-    path = Path(folder) if folder else None
-    cfg = {}
-    if path is not None and (path / "config.json").is_file():
-        cfg = json.loads((path / "config.json").read_text())
-    text = cfg.get("text_config", cfg)
-    layers = int(text.get("num_hidden_layers", 0) or 0)
-    kv_per_token = 0
-    if layers:
-        heads = text.get("num_attention_heads", 1)
-        kv = text.get("num_key_value_heads") or heads
-        hd = text.get("head_dim") or text["hidden_size"] // heads
-        kv_per_token = 2 * layers * kv * hd * 2
-    embedding = int(text.get("vocab_size", 0) or 0) * int(text.get("hidden_size", 0) or 0)
-    if params_b:
-        return ModelSize(int(params_b * 1e9), embedding, layers, kv_per_token, "run.model_params_b")
-    if path is None or not path.is_dir():
-        return None
-    found = _safetensors_params(path)
-    if found:
-        return ModelSize(found[0], found[1], layers, kv_per_token, "safetensors headers")
-    if cfg:
-        try:
-            return ModelSize(params_from_config(cfg), embedding, layers, kv_per_token, "config.json")
-        except KeyError:
-            return None
-    return None
-
-
-# ---- finding the GPUs ---------------------------------------------------------------------------
-
-
-def parse_fake(spec: str) -> list[Node]:
-    """$CONVEYOR_FAKE_GPUS: "8" (one node of 8), "2x8" (2 nodes of 8), "8:141" (141 GiB each)."""
-    text, _, mem = spec.strip().partition(":")
-    nodes, _, per = text.rpartition("x")
-    try:
-        n_nodes, n_gpus = int(nodes or 1), int(per)
-        gb = float(mem) if mem else FAKE_GPU_GB
-    except ValueError:
-        raise PlanError(f"{FAKE_ENV}={spec!r}: expected N, KxN or N:GiB (e.g. 8, 2x8, 8:141)") from None
-    if n_nodes < 1 or n_gpus < 0 or gb <= 0:
-        raise PlanError(f"{FAKE_ENV}={spec!r}: counts must be positive")
-    return [Node(f"node{k}", [Gpu(str(i), gb, "fake") for i in range(n_gpus)]) for k in range(n_nodes)]
-
-
-def nvidia_smi() -> list[Gpu]:
-    """This machine's GPUs as nvidia-smi lists them (NVML: no CUDA context is made), or []."""
-    if not shutil.which("nvidia-smi"):
-        return []
-    try:
-        out = subprocess.run(["nvidia-smi", "--query-gpu=index,uuid,memory.total,name", "--format=csv,noheader,nounits"],
-                             capture_output=True, text=True, timeout=30)
-    except (OSError, subprocess.TimeoutExpired):
-        return []
-    if out.returncode:
-        return []
-    gpus = []
-    for line in out.stdout.strip().splitlines():
-        parts = [p.strip() for p in line.split(",")]
-        if len(parts) >= 4 and parts[0].isdigit():
-            gpus.append(Gpu(parts[0], float(parts[2]) / 1024, parts[3], parts[1]))
-    return gpus
-
-
-def cpu_torch() -> bool:
-    """Whether the installed torch is a CPU build (`make install STACK=cpu` on a GPU machine): then
-    no role can use the GPUs nvidia-smi lists. Read from the package's version, without importing it."""
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        return version("torch").endswith("+cpu")
-    except PackageNotFoundError:
-        return False
-
-
-def local_gpus(gpus: str = "auto", memory_gb: float = 0.0, environ=None) -> list[Node]:
-    """This machine's GPUs for a run (`run.gpus`: `auto`, `none` or a list such as "0,1,2,3"), as
-    one node; `memory_gb` overrides what each reports (0: as found).
-
-    Only the GPUs the launcher itself may use: with CUDA_VISIBLE_DEVICES set (a scheduler's share
-    of the machine, indices or UUIDs), those, in that order. Each keeps nvidia-smi's index, which
-    is what the roles' own CUDA_VISIBLE_DEVICES name (with CUDA_DEVICE_ORDER=PCI_BUS_ID, so that
-    CUDA counts as nvidia-smi does)."""
-    environ = os.environ if environ is None else environ
-    fake = environ.get(FAKE_ENV, "").strip()
-    if gpus.strip() == "none":
-        return [Node("local", [])]
-    if fake:
-        found = parse_fake(fake)[0].gpus
-    elif cpu_torch():
-        return [Node("local", [])]
-    else:
-        found = nvidia_smi()
-    outer = [x.strip() for x in environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if x.strip()]
-    if "CUDA_VISIBLE_DEVICES" in environ:
-        by_id = {**{g.index: g for g in found}, **{g.uuid: g for g in found if g.uuid}}
-        found = [by_id[x] for x in outer if x in by_id]  # ("" or "-1": none at all)
-    by_index = {g.index: g for g in found}
-    if gpus.strip() not in ("", "auto"):
-        wanted = [x.strip() for x in gpus.split(",") if x.strip()]
-        unknown = [i for i in wanted if i not in by_index]
-        if unknown and found:
-            raise PlanError(f"run.gpus={gpus!r}: no GPU {', '.join(unknown)} here (this launcher may use "
-                            f"{', '.join(by_index) or 'none'})")
-        chosen = [by_index.get(i, Gpu(i, memory_gb or 0.0)) for i in wanted]
-    else:
-        chosen = found
-    if memory_gb:
-        chosen = [Gpu(g.index, memory_gb, g.name, g.uuid) for g in chosen]
-    return [Node("local", chosen)]
-
-
-# ---- the plan -----------------------------------------------------------------------------------
 
 
 @dataclass
@@ -350,106 +132,6 @@ class DevicePlan:
             lines.append(f"    {p.role:<13} {where:<24} {p.parts}{extra}")
         lines += [f"  note: {n}" for n in self.notes]
         return "\n".join(lines) + "\n"
-
-
-@dataclass(frozen=True)
-class Demand:
-    """What a run asks for, read off its config (kept apart so tests can state it directly)."""
-
-    learner_ranks: int
-    generators: int
-    tp: int
-    gpu_scorers: int
-    vllm: bool = True
-    engine_share: float = 0.0  # generator.gpu_memory_utilization; 0 = decide
-    learner_gb: tuple[float, ...] = ()  # per rank, estimated
-    learner_parts: str = ""
-    slot_gb: float = 0.0  # rank 0's weight-sync device slot, when an engine shares its GPU
-    engine_need_gb: float = 0.0  # what an engine's share must hold (per device)
-    engine_parts: str = ""
-    engine_extra_gb: float = 0.0  # outside the share: receive area, context
-    scorer_gb: float = 0.0
-    scorer_parts: str = ""
-    checked: bool = True
-    send_gb: float = 0.0  # rank 0's buckets on the device while it broadcasts (two at most)
-
-
-def learner_gb(size: ModelSize, ranks: int, zero: int, dtype: str, lora: bool) -> tuple[float, str]:
-    """One learner rank's model, gradients and optimizer state in GiB, and how it was counted.
-
-    Mixed precision Adam holds weights (2 B) + gradients (2 B) + fp32 master, m and v (12 B) per
-    parameter, 16 B in all (fp32 training: 4 + 4 + 8, also 16); ZeRO-1 shards the optimizer state
-    over the ranks, ZeRO-2 the gradients too, ZeRO-3 the weights too. LoRA trains a few adapters:
-    the frozen weights alone count."""
-    w = DTYPE_BYTES[dtype]
-    opt = 8 + (4 if w != 4 else 0)
-    p = size.params
-    weights = p * w / (ranks if zero >= 3 else 1)
-    if lora:
-        return weights / GIB, f"weights {weights / GIB:.1f} (LoRA: adapters only trained)"
-    grads = p * w / (ranks if zero >= 2 else 1)
-    state = p * opt / (ranks if zero >= 1 else 1)
-    total = weights + grads + state
-    return total / GIB, (f"weights {weights / GIB:.1f} + grads {grads / GIB:.1f} + Adam {state / GIB:.1f} "
-                         f"(ZeRO-{zero}, {ranks} rank(s))")
-
-
-def demand_of(run) -> Demand:
-    """The run's demand: process counts from `run:`, sizes from the model folders."""
-    r, g, s, l, w = run.run, run.generator, run.scorer, run.learner, run.weight_sync
-    # a vLLM engine, or the debugging transformers backend on a CUDA device, takes devices
-    vllm = g.engine == "vllm" or str(g.device).startswith("cuda")
-    gpu_scorers = r.num_scorers if str(s.device).startswith("cuda") else 0
-    policy = model_size(l.model_path, r.model_params_b)
-    checked = policy is not None
-    lgb, lparts = (0.0, "size unknown")
-    slot = 0.0
-    if policy is not None:
-        lgb, lparts = learner_gb(policy, r.learner_ranks, l.zero_stage, l.dtype, bool(l.lora_rank))
-        if l.critic_path:
-            critic = model_size(l.critic_path) or policy
-            cgb, _ = learner_gb(critic, r.learner_ranks, l.zero_stage, l.dtype, False)
-            lgb += cgb
-            lparts += f" + critic {cgb:.1f}"
-        if w.same_host != "broadcast" and not l.lora_rank:
-            slot = policy.params * DTYPE_BYTES[l.dtype] / GIB
-
-    # a weight round's bucket: weight_sync.bucket_mb, or the largest tensor, which travels whole
-    bucket = max(w.bucket_mb / 1024, (policy.largest * DTYPE_BYTES[l.dtype] / GIB) if policy else 0.0)
-    base = lgb + ACTIVATION_GB + CONTEXT_GB
-    lparts += f" + activations {ACTIVATION_GB:.1f} + context {CONTEXT_GB:.2f}"
-    per_rank = tuple(base for _ in range(r.learner_ranks))
-    engine_need = engine_extra = 0.0
-    eparts = ""
-    if policy is not None and vllm:
-        tp = g.tensor_parallel_size
-        weights = policy.params * DTYPE_BYTES[g.dtype] / tp / GIB
-        max_len = g.max_model_len or g.prompt_max_len + g.max_new_tokens
-        kv = policy.kv_bytes_per_token * max_len / tp / GIB
-        engine_need = weights + kv + ACTIVATION_GB
-        eparts = (f"weights {weights:.1f} + one {max_len}-token sequence's KV {kv:.2f} + activations {ACTIVATION_GB:.1f}"
-                  if policy.kv_bytes_per_token else f"weights {weights:.1f} + activations {ACTIVATION_GB:.1f} (KV: "
-                                                    f"layers unknown without the folder)")
-
-    if vllm:  # the round's two receive areas and the engine's CUDA context, outside its share
-        engine_extra = 2 * bucket + CONTEXT_GB
-    scorer = 0.0
-    sparts = ""
-    if gpu_scorers:
-        for kind, folder in (("reward model", s.reward_model), ("reference", s.reference)):
-            if folder:
-                size = model_size(folder) or model_size(l.model_path, r.model_params_b)  # (absent: the policy's size)
-                if size is None:
-                    checked = False
-                    continue
-                gb = size.params * DTYPE_BYTES[s.dtype] / GIB
-                scorer += gb
-                sparts += f"{kind} {gb:.1f} + "
-        scorer += ACTIVATION_GB + CONTEXT_GB
-        sparts += f"activations {ACTIVATION_GB:.1f} + context {CONTEXT_GB:.2f}"
-    return Demand(r.learner_ranks, r.num_generators, g.tensor_parallel_size if vllm else 1, gpu_scorers, vllm,
-                  g.gpu_memory_utilization, per_rank, lparts, slot, engine_need, eparts, engine_extra,
-                  scorer, sparts, checked, send_gb=2 * bucket)
 
 
 def _devices(nodes: list[Node]) -> list[tuple[int, Gpu]]:

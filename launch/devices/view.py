@@ -1,4 +1,4 @@
-"""The run's device plan as both launchers use it (launch/devices.py holds the plan itself):
+"""The run's device plan as both launchers use it (launch/devices/plan.py holds the plan itself):
 `device_plan` makes it, a layout that cannot fit being a `ConfigError` with the numbers, and
 `print_plan` is `--plan`: the plan's table and what every role process gets, then exit. Nothing
 is started or written (no keys, no run folder), so it answers on a laptop for an 8-GPU node
@@ -10,14 +10,15 @@ from __future__ import annotations
 import sys
 from typing import Callable
 
+from launch.devices.gpus import PlanError
+from launch.devices.plan import plan_run
 from launch.recovery import EXIT_CODES
 
 
 def device_plan(run, nodes=None):
-    """The run's device plan on `nodes` (None: this machine's, launch/devices.py `local_gpus`); a
+    """The run's device plan on `nodes` (None: this machine's, launch/devices/gpus.py `local_gpus`); a
     layout that cannot fit is a `ConfigError` with the numbers."""
     from launch.config import ConfigError
-    from launch.devices import PlanError, plan_run
 
     try:
         return plan_run(run, nodes)
