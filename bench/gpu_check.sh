@@ -10,8 +10,8 @@
 #  2. a ~1B-parameter Llama built on the fly (demo/tiny_model.py: 20 layers, hidden 2048, bf16);
 #  3. the device plan of the demo's config for this machine (`launch.local CONFIG --plan`);
 #  4. generation throughput, vLLM on CUDA against transformers (bench/generation.py);
-#  5. DeepSpeed learner steps (tests/test_learner_step.py, which picks CUDA when present);
-#  6. the CUDA IPC slot (tests/test_shm_sync.py -k cuda: bit-identical in another process);
+#  5. DeepSpeed learner steps (tests/learner/test_step.py, which picks CUDA when present);
+#  6. the CUDA IPC slot (tests/weight_sync/test_shm.py -k cuda: bit-identical in another process);
 #  7. weight rounds into a vLLM engine on CUDA with the ~1B model's shape (bench/weight_sync.py:
 #     broadcast rounds, and same-host rounds from a slot on the learner's device by CUDA IPC);
 #  8. a member killed mid-broadcast (bench/killed_member.py): the learner's sender survives and the
@@ -143,14 +143,14 @@ if [ $SMOKE = 1 ]; then
   step "generation vLLM vs transformers" 300 $PY bench/generation.py --models "$WORK/model" --prompts 4 --n 1 \
     --max-tokens 8 --repeat 1 --cpu-linear auto
   # one learner step (the whole file takes minutes on two cores)
-  step "learner step" 240 $PY -m pytest -x -q tests/test_learner_step.py -k one_step_with_positive -p no:cacheprovider
+  step "learner step" 240 $PY -m pytest -x -q tests/learner/test_step.py -k one_step_with_positive -p no:cacheprovider
 else
   step "generation vLLM vs transformers" 300 $PY bench/generation.py --models "tiny,$WORK/model" --prompts 64 \
     --repeat 2 --cpu-linear auto
-  step "learner step" 240 $PY -m pytest -x -q tests/test_learner_step.py -p no:cacheprovider
+  step "learner step" 240 $PY -m pytest -x -q tests/learner/test_step.py -p no:cacheprovider
 fi
 # on the CPU the device-slot test runs and the CUDA one is skipped by pytest
-step "CUDA IPC slot" 120 $PY -m pytest -x -q tests/test_shm_sync.py -k "cuda or device_slot" -p no:cacheprovider
+step "CUDA IPC slot" 120 $PY -m pytest -x -q tests/weight_sync/test_shm.py -k "cuda or device_slot" -p no:cacheprovider
 if [ $SMOKE = 1 ]; then
   # no engine here: the generation step and the demo already start vLLM on the CPU, and the demo's
   # rounds go into it

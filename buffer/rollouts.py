@@ -174,7 +174,7 @@ class ScoredRollout(Struct):
 
 # `check_scored`'s types: Rollout's and ScoredRollout's fields, constraints and checks, the packed
 # arrays left as the memoryviews msgspec decoded. What they refuse is decoded again into the real
-# types, which say what is wrong (tests/test_buffer_fuzz.py checks that both agree on mutants).
+# types, which say what is wrong (tests/security/test_buffer_fuzz.py checks that both agree on mutants).
 
 
 class _Refused(ValueError):

@@ -1,7 +1,7 @@
 """The replay buffer's rules, as plain functions: admission control, the stale-drop rule, DAPO's
 dynamic-sampling rule, how a step's batch is split between learner ranks, a share's statistics,
-and the diagnosis a waiting learner is given. `tests/test_admission.py` and
-`tests/test_dynamic_sampling.py` check them against values worked out by hand; `buffer/state.py`
+and the diagnosis a waiting learner is given. `tests/buffer/test_state.py` and
+`tests/buffer/test_dynamic_sampling.py` check them against values worked out by hand; `buffer/state.py`
 applies them.
 """
 

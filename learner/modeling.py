@@ -123,7 +123,7 @@ def next_token_stats(model, input_ids: torch.Tensor, attention_mask: torch.Tenso
 
     With `packed` (`learner.packing.pack_rows` of this batch) the model runs on the packed rows
     and both come back on the padded frame, 0 where the padded frame predicts no token of a
-    sequence; on the positions that do, they equal the padded forward's (tests/test_packing.py).
+    sequence; on the positions that do, they equal the padded forward's (tests/learner/test_packing.py).
     Only per-token results are unpacked, never the (., ., V) logits."""
     if packed is None:
         logits = next_token_logits(model, input_ids, attention_mask)  # (B, L-1, V)

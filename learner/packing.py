@@ -24,7 +24,7 @@ same tokens.
 Position ids restart at 0 for every sequence and the model gets no attention mask: transformers
 then reads each row as packed documents and keeps attention inside each one
 (`masking_utils.find_packed_sequence_indices`, in every attention implementation it builds masks
-for, and only with no cache; tests/test_packing.py checks a packed forward against each
+for, and only with no cache; tests/learner/test_packing.py checks a packed forward against each
 sequence's own). The leftover tail of a row counts 0, 1, ... too, so no sequence sees it.
 
 Every per-position output of the packed forward maps back to the padded frame with `unpack`

@@ -9,7 +9,7 @@ enough for the CUDA that torch and vLLM's kernels were built for; every GPU is o
 for; Triton (vLLM's V2 model runner, its kernels) finds a C compiler and Python's headers.
 
 The facts are gathered by `gather()` (it needs the GPU) and judged by `verdict()`, a pure function
-(tests/test_gpu_env.py checks it on the CPU).
+(tests/launch/test_gpu_env.py checks it on the CPU).
 
 Where the numbers come from:
 - torch 2.14.0 on PyPI is built for CUDA 13.0 (torch/version.py of the wheel: `cuda = '13.0'`),

@@ -1,6 +1,6 @@
 """Rehearse a two-machine run on one machine (root, iproute2): `python scripts/two_node.py up|down|run`.
 
-Two network namespaces joined by a veth pair stand for two hosts (tests/netns.py): node A
+Two network namespaces joined by a veth pair stand for two hosts (scripts/netns.py): node A
 (10.213.X.1) holds the Ray head, node B (10.213.X.2) a Ray worker; each has only its loopback and
 the link, so anything that binds or advertises 127.0.0.1 where another node must reach it fails
 here as it would on a real cluster.
@@ -26,9 +26,9 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "tests"))
+sys.path.insert(0, str(ROOT))
 
-from netns import TwoNodes, placement_flags, ray_env, unavailable  # noqa: E402
+from scripts.netns import TwoNodes, placement_flags, ray_env, unavailable  # noqa: E402
 
 STATE = Path("/tmp/conveyor-two-node.json")
 

@@ -17,7 +17,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from launch.ports import free_port_block  # noqa: E402,F401 (re-exported for the tests)
+from launch.ports import free_port_block  # noqa: E402
 
 # vLLM on CPU: the KV cache is host memory; 1 GiB is plenty for the tiny model.
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
@@ -29,15 +29,6 @@ def tiny_model_dir(tmp_path_factory) -> Path:
     from demo.tiny_model import build_tiny_model
 
     return build_tiny_model(tmp_path_factory.mktemp("tiny_model"), seed=0)
-
-
-def subprocess_env() -> dict[str, str]:
-    """Environment for role subprocesses started by tests: the project on the path, quiet libraries."""
-    env = dict(os.environ)
-    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
-    env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    env.setdefault("TOKENIZERS_PARALLELISM", "false")
-    return env
 
 
 @pytest.fixture(scope="session")

@@ -1,0 +1,352 @@
+"""OpenRLHF's `train_ppo_ray` command lines through the config layer of launch.local and launch.ray.
+
+The fixture lists the 167 options of OpenRLHF 0.11.2's `openrlhf.cli.train_ppo_ray` (read once from
+the PyPI wheel's argparse parser, so that no test downloads anything). Every one must be mapped,
+accepted with a note, or refused with a message that names it; values convert with the same
+meaning; the PPO quick start of OpenRLHF's toolkit page parses to the expected keys. Config parsing
+only: no role is started (one `--help` subprocess times the answer).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from launch.config import ConfigError
+from tests.helpers.cluster import QUICK_START, SHRINK, run_quick_start
+from tests.helpers.procs import subprocess_env
+
+ROOT = Path(__file__).resolve().parents[2]
+FIXTURE = json.loads((ROOT / "tests" / "fixtures" / "openrlhf_0.11.2_train_ppo_ray.json").read_text())
+
+# the PPO quick start of OpenRLHF's toolkit page, as written there (its model names replaced in `quick_start`)
+@pytest.fixture
+def files(tmp_path):
+    model = tmp_path / "model"
+    model.mkdir()
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"prompt": "1+1=", "label": "2"}\n')
+    other = tmp_path / "q.jsonl"
+    other.write_text('{"question": "2+2=", "answer": "4"}\n')
+    return {"model": str(model), "prompts": str(prompts), "other": str(other), "dir": tmp_path,
+            "base": ["--pretrain", str(model), "--prompt_data", str(prompts), "--scorer.reward_fn", "r.py"]}
+
+
+def local(argv):
+    from launch.run_config import load_run_config
+
+    return load_run_config(None, argv)
+
+
+def on_ray(argv):
+    from launch.cluster.config import load
+
+    return load(None, list(argv))
+
+
+def quick_start(files, *more):
+    swap = {"meta-llama/Llama-3.1-8B": files["model"], "meta-llama/Llama-3.1-8B-RM": files["model"],
+            "./checkpoint": str(files["dir"] / "checkpoint")}
+    return [swap.get(a, a) for a in QUICK_START] + ["--prompt_data", files["prompts"], *SHRINK, *more]
+
+
+# ---- every flag of 0.11.2 -----------------------------------------------------------------------
+
+SAMPLE = {  # a value OpenRLHF users give where the default is None (or no value at all)
+    "--vllm.num_engines": ["2"], "--rollout.max_new_tokens": ["16"], "--data.label_key": ["answer"],
+    "--data.input_template": ["Q: {} A:"], "--reward.remote_url": ["http://127.0.0.1:9/rm"],
+    "--critic.model_name_or_path": ["{model}", "--algo.advantage.estimator", "gae"],
+    "--actor.model_name_or_path": ["{model}"], "--reward.model_name_or_path": ["{model}"],
+    "--data.prompt_dataset": ["{prompts}"], "--eval.dataset": ["{prompts}"], "--data.prompt_probs": ["1.0"],
+    "--ckpt.output_dir": ["{dir}/out"], "--ds.experts_implementation": ["eager"], "--ds.grad_accum_dtype": ["fp32"],
+    "--actor.dual_clip": ["3"], "--actor.eps_clip_low_high": ["0.2", "0.28"], "--reward.overlong_buffer_len": ["4"],
+    "--logger.wandb.key": ["k"], "--logger.wandb.org": ["o"], "--logger.wandb.group": ["g"],
+    "--logger.tensorboard_dir": ["tb"], "--actor.entropy_coef": ["0.01"], "--rollout.max_tokens_per_gpu": ["4096"],
+    "--rollout.vllm_generate_batch_size": ["8"], "--data.max_samples": ["100"], "--train.enable_ema": ["false"],
+    "--train.agent_func_path": ["agent_func.py"],
+}
+OFF_DEFAULT = {  # a value that changes what is trained, for the refused flags
+    "--algo.kl.target": ["0.1"], "--reward.clip_range": ["-1", "1"], "--reward.stop_properly_penalty_coef": ["0.5"],
+    "--ds.ring_attn_size": ["2"], "--data.max_images_per_prompt": ["1"],
+    "--actor.aux_loss_coef": ["0.01"], "--critic.freezing_steps": ["5"],
+}
+
+
+def sample(opt: dict, files: dict) -> list[str]:
+    flag = opt["flag"]
+    if flag in SAMPLE:
+        values = SAMPLE[flag]
+    elif opt["action"] != "store":
+        values = []  # a switch alone
+    else:
+        d = opt["default"]
+        values = [str(v) for v in d] if isinstance(d, list) else [str(d)]
+    for key in ("model", "prompts", "dir"):
+        values = [v.replace("{%s}" % key, str(files[key])) for v in values]
+    return [flag, *values]
+
+
+def test_every_0_11_2_flag_is_mapped_accepted_or_refused_by_name(files):
+    from launch.openrlhf.flags import SAME_KEYS, spec
+
+    flags = FIXTURE["flags"]
+    assert FIXTURE["count"] == len(flags) == 167
+    names = [o["flag"][2:] for o in flags]
+    unknown = [n for n in names if spec(n) is None and n not in SAME_KEYS]
+    assert not unknown, unknown
+    refused = [n for n in names if n not in SAME_KEYS and spec(n).refused]
+    accepted = len(names) - len(refused)
+    assert accepted / len(names) >= 0.9, (accepted, refused)
+    for opt in flags:  # each accepted flag with a value OpenRLHF users give: the run config still parses
+        name = opt["flag"][2:]
+        argv = files["base"] + sample(opt, files)
+        if name in refused:
+            at_default = [opt["flag"], "false"] if opt["action"] == "store_true" else sample(opt, files)
+            local(files["base"] + at_default)  # at OpenRLHF's default a refused flag changes nothing: accepted
+            off = [opt["flag"], *OFF_DEFAULT.get(opt["flag"], [])] if opt["action"] == "store_true" or \
+                opt["flag"] in OFF_DEFAULT else None
+            assert off, name
+            with pytest.raises(ConfigError) as e:
+                local(files["base"] + off)
+            assert f"--{name}" in str(e.value) and spec(name).why in str(e.value)
+            continue
+        try:
+            local(argv)
+        except ConfigError as e:
+            pytest.fail(f"{' '.join(sample(opt, files))}: {e}")
+
+
+def test_refusals_name_the_flag_and_why_on_both_launchers(files):
+    for argv, expect in [
+        (["--ds.ring_attn_size", "2"], "--ds.ring_attn_size 2: ring attention is not supported"),
+        (["--ring_attn_size", "4"], "--ring_attn_size 4: ring attention is not supported"),
+        (["--normalize_reward"], "--normalize_reward true: running reward normalisation is not supported"),
+        (["--algo.advantage.is_correction_gating", "tv", "--algo.advantage.is_correction_level", "token"],
+         "--algo.advantage.is_correction_gating tv: only the ratio"),
+        (["--remote_rm_url", "reward.py"], "--remote_rm_url reward.py: one http(s) URL here"),
+    ]:
+        for load in (local, on_ray):
+            with pytest.raises(ConfigError, match=re.escape(expect)):
+                load(files["base"] + argv)
+    for value_refused in (["--ds.param_dtype", "fp16"], ["--actor.optim", "muon"], ["--policy_loss_type", "gspo"],
+                          ["--advantage_estimator", "flash_reinforce"], ["--vllm_num_engines", "0"]):
+        with pytest.raises(ConfigError, match=value_refused[0]):
+            local(files["base"] + value_refused)
+    with pytest.raises(ConfigError, match="--actor_num_nodes 2: launch.local runs on one machine"):
+        local(files["base"] + ["--actor_num_nodes", "2"])
+
+
+# ---- values convert with the same meaning ---------------------------------------------------------
+
+
+def test_values_convert_with_the_same_meaning(files):
+    run = local(files["base"] + [
+        "--rollout.n_samples_per_prompt", "4", "--rollout.batch_size", "8", "--train.batch_size", "16",
+        "--train.micro_batch_size", "2", "--algo.advantage.estimator", "reinforce", "--eval.steps", "5",
+        "--eval.dataset", files["prompts"], "--eval.temperature", "0", "--ckpt.save_steps", "-1",
+        "--actor.eps_clip_low_high", "0.2", "0.28", "--algo.kl.use_loss", "--algo.kl.estimator", "k2",
+        "--algo.kl.init_coef", "0.05", "--ds.zero_stage", "3", "--ds.param_dtype", "bf16", "--rollout.temperature",
+        "0.7", "--rollout.top_p", "0.9", "--train.seed", "3", "--vllm.num_engines", "2",
+        "--train.partial_rollout_enable", "--actor.lr_scheduler", "cosine_with_min_lr", "--actor.lr_warmup_ratio",
+        "0.1", "--learner.total_steps", "20", "--actor.adam.betas", "0.9", "0.95", "--actor.adam.lr", "2e-6",
+        "--critic.adam.betas", "0.9", "0.95", "--data.max_len", "1024", "--logger.wandb.project", "p"])
+    b, l, g = run.buffer, run.learner, run.generator
+    # 8 prompts x 4 samples = 32 per step: 2 optimizer steps of 16, each 8 forwards of 2
+    assert b.prompts_per_step == 8 and l.num_mini_batches == 2 and l.gradient_accumulation_steps == 8
+    assert l.advantage_estimator == "reinforce_pp" and run.eval.every == 5 and run.eval.temperature == 0
+    assert l.save_every == 0 and (l.clip_eps_low, l.clip_eps_high) == (0.2, 0.28)
+    assert (l.kl_in, l.kl_estimator, l.kl_coef) == ("loss", "k2", 0.05)
+    assert l.zero_stage == 3 and l.dtype == "bfloat16" and l.lr == 2e-6 and l.adam_betas == [0.9, 0.95]
+    assert g.temperature == l.temperature == 0.7 and g.top_p == 0.9 and l.seed == g.seed == 3
+    assert run.run.num_generators == 2 and run.weight_sync.mode == "interrupt" and g.max_model_len == 1024
+    assert l.lr_schedule == "cosine" and l.warmup_steps == math.ceil(0.1 * 20 * 2)  # of 40 optimizer steps
+    assert l.wandb_project == "p"
+
+    data = local(["--pretrain", files["model"], "--scorer.reward_fn", "r.py",
+                  "--prompt_data", f"{files['prompts']},{files['other']}", "--prompt_data_probs", "0.7,0.3",
+                  "--input_key", "question", "--label_key", "answer", "--input_template", "Q: {} A:",
+                  "--apply_chat_template", "--max_samples", "50", "--eval_dataset", files["other"],
+                  "--eval_steps", "2", "--eval_n_samples_per_prompt", "8", "--eval_temperature", "0.3"])
+    b = data.buffer
+    assert b.prompts == f"{files['prompts']},{files['other']}" and b.prompt_probs == [0.7, 0.3]
+    assert (b.input_key, b.label_key, b.input_template, b.max_samples) == ("question", "answer", "Q: {} A:", 50)
+    assert data.generator.use_chat_template is True
+    assert (data.eval.dataset, data.eval.every, data.eval.n_samples_per_prompt, data.eval.temperature) == \
+        (files["other"], 2, 8, 0.3)
+
+    for level, mode, threshold, expect in [
+        ("token", "mask", ["0.5", "5"], ("icepop", "token", 0.5, 5.0)),
+        ("seq", "mask", ["0.8", "1.25"], ("mask", "sequence", 0.8, 1.25)),
+        ("off", "mask", ["0.5", "5"], ("none",)),
+    ]:
+        l = local(files["base"] + ["--algo.advantage.is_correction_level", level, "--algo.advantage.is_correction_mode",
+                                   mode, "--algo.advantage.is_correction_threshold", *threshold]).learner
+        assert (l.behav_correction, l.behav_mask_level, l.behav_low, l.behav_high)[:len(expect)] == expect
+    l = local(files["base"] + ["--algo.advantage.is_correction_level", "token", "--algo.advantage.is_correction_mode",
+                               "clip", "--algo.advantage.is_correction_threshold", "3"]).learner
+    assert (l.behav_correction, l.behav_tis_cap) == ("tis", 3.0)
+    with pytest.raises(ConfigError, match="is_correction_mode clip"):
+        local(files["base"] + ["--algo.advantage.is_correction_level", "token", "--algo.advantage.is_correction_mode",
+                               "clip"])
+    with pytest.raises(ConfigError, match="--critic.adam.betas"):  # the critic trains with the policy's AdamW
+        local(files["base"] + ["--algo.advantage.estimator", "gae", "--critic.adam.betas", "0.9", "0.99"])
+
+    remote = local(["--pretrain", files["model"], "--prompt_data", files["prompts"], "--remote_rm_url", "http://h:1/rm"])
+    assert remote.scorer.kinds == ["remote"] and remote.scorer.remote_url == "http://h:1/rm"
+
+
+def test_legacy_and_dotted_names_set_the_same_config(files):
+    from launch.openrlhf.flags import spec
+
+    quick_start_names = [a[2:] for a in QUICK_START if a.startswith("--")]
+    usual = ["prompt_data", "input_key", "label_key", "apply_chat_template", "input_template", "prompt_data_probs",
+             "max_samples", "eval_dataset", "eval_steps", "eval_temperature", "eval_n_samples_per_prompt", "save_steps",
+             "ckpt_path", "use_wandb", "wandb_project", "use_tensorboard", "normalize_reward",
+             "gradient_checkpointing", "flash_attn", "adam_offload"]
+    assert [n for n in quick_start_names + usual if spec(n) is None] == []
+    pairs = [("--vllm_num_engines", "--vllm.num_engines", "2"), ("--n_samples_per_prompt", "--rollout.n_samples_per_prompt", "2"),
+             ("--rollout_batch_size", "--rollout.batch_size", "4"), ("--train_batch_size", "--train.batch_size", "4"),
+             ("--micro_train_batch_size", "--train.micro_batch_size", "2"), ("--eps_clip", "--actor.eps_clip", "0.3"),
+             ("--lambd", "--algo.advantage.lambd", "0.95"), ("--advantage_estimator", "--algo.advantage.estimator", "gae"),
+             ("--critic_pretrain", "--critic.model_name_or_path", files["model"]), ("--l2", "--actor.adam.weight_decay", "0.1"),
+             ("--max_norm", "--actor.max_norm", "0.5"), ("--save_steps", "--ckpt.save_steps", "3"),
+             ("--input_key", "--data.input_key", "question"), ("--max_len", "--data.max_len", "900"),
+             ("--gradient_checkpointing", "--actor.gradient_checkpointing_enable", None),
+             ("--load_checkpoint", "--ckpt.load_enable", None), ("--async_train", "--train.async_enable", None)]
+    old = local(files["base"] + [a for o, _, v in pairs for a in ([o, v] if v else [o])]).to_dict()
+    new = local(files["base"] + [a for _, d, v in pairs for a in ([d, v] if v else [d])]).to_dict()
+    assert old == new and old["learner"]["critic_path"] == files["model"] and old["learner"]["gae_lambda"] == 0.95
+
+
+# ---- the quick start, on both launchers -----------------------------------------------------------
+
+
+def test_quick_start_parses_through_launch_local_and_launch_ray(files):
+    run = local(quick_start(files))
+    rcfg, ray_run = on_ray(quick_start(files))
+    for r in (run, ray_run):
+        assert r.run.learner_ranks == r.run.num_generators == r.run.num_scorers == 1
+        assert r.learner.model_path == r.generator.model == r.scorer.reward_model
+        assert Path(r.learner.model_path).resolve() == Path(files["model"]).resolve()
+        assert r.scorer.kinds == ["reward_model", "reference"]  # the KL needs the reference; no reward_fn
+        assert Path(r.run.run_dir).name == "checkpoint" and r.learner.lr == 5e-7 and r.learner.kl_coef == 0.01
+        # 8 prompts x 4 samples: 2 optimizer steps of 16 samples, each 4 forwards of 4
+        assert (r.buffer.prompts_per_step, r.learner.num_mini_batches, r.learner.gradient_accumulation_steps) == (8, 2, 4)
+        assert (r.generator.groups_per_lease, r.generator.prompt_max_len, r.generator.max_new_tokens) == (4, 64, 16)
+        assert r.learner.ppo_epochs == 1 and r.generator.tensor_parallel_size == 1
+    # on Ray the placement flags set process counts; GPUs come from the device plan (next test)
+    assert rcfg.learner.num_gpus == rcfg.generator.num_gpus == rcfg.scorer.num_gpus == 0
+    assert rcfg.learner.bundle() == {"CPU": 1.0}
+
+    rcfg, big = on_ray(quick_start(files, "--actor_num_nodes", "2", "--actor_num_gpus_per_node", "2",
+                                   "--reward_num_gpus_per_node", "3", "--train_batch_size", "32",
+                                   "--micro_train_batch_size", "2"))
+    assert big.run.learner_ranks == 4 and big.run.num_scorers == 3  # 2 nodes x 2 GPUs; max(ref 1, reward 3)
+    assert big.learner.gradient_accumulation_steps == 4  # 32 samples / 4 ranks / micro 2
+    with pytest.raises(ConfigError, match="--actor_num_nodes 2: launch.local runs on one machine"):
+        local(quick_start(files, "--actor_num_nodes", "2"))
+
+
+def test_ray_bundles_reserve_the_gpus_only_on_a_gpu_cluster(files):
+    from launch.devices.gpus import parse_fake
+    from launch.cluster.devices import RayDevices
+
+    rcfg, run = on_ray(quick_start(files, "--vllm_tensor_parallel_size", "2", "--scorer.device", "cuda"))
+    gpu = RayDevices.make(run, rcfg, parse_fake("8"))  # the separate layout: each process its planned GPUs
+    assert (gpu.actor_bundle("learner"), gpu.actor_bundle("generator"), gpu.actor_bundle("scorer")) == \
+        ({"CPU": 1.0, "GPU": 1.0}, {"CPU": 1.0, "GPU": 2.0}, {"CPU": 1.0, "GPU": 1.0})
+    assert gpu.actor_bundle("buffer") == {"CPU": 0.5}
+    cpu = RayDevices.make(run, rcfg, parse_fake("0"))  # a CPU cluster: the same command, every process on CPUs
+    assert all("GPU" not in cpu.actor_bundle(k) for k in ("learner", "generator", "scorer"))
+    rcfg, run = on_ray(quick_start(files, "--ray.generator.num_gpus", "0.5"))  # an explicit reservation wins
+    assert RayDevices.make(run, rcfg, parse_fake("8")).actor_bundle("generator") == {"CPU": 1.0, "GPU": 0.5}
+
+
+@pytest.mark.parametrize("flags, placement", [
+    (["--colocate_all_models"], "colocate"), (["--train.colocate_all"], "colocate"),
+    (["--colocate_actor_ref"], "colocate_scorers"), (["--train.colocate_actor_ref"], "colocate_scorers"),
+    (["--colocate_critic_reward"], "colocate_scorers"), (["--train.colocate_critic_reward"], "colocate_scorers"),
+    (["--colocate_actor_ref", "--train.colocate_all"], "colocate"),  # colocate_all wins, in either order
+    (["--colocate_all_models", "--train.colocate_critic_reward"], "colocate"),
+    (["--train.colocate_all", "false"], "auto"), ([], "auto"),
+    (["--colocate_critic_reward", "--run.placement", "separate"], "separate"),  # Conveyor's own key wins
+])
+def test_colocation_flags_set_run_placement_on_both_launchers(files, flags, placement):
+    assert local(files["base"] + flags).run.placement == placement
+    assert on_ray(files["base"] + flags)[1].run.placement == placement
+
+
+def test_sleep_flags_are_accepted_and_say_time_sharing_is_not_done(files):
+    from launch.openrlhf.flags import spec
+
+    for name in ("vllm.enable_sleep", "ds.enable_sleep", "vllm_enable_sleep", "deepspeed_enable_sleep"):
+        assert not spec(name).targets and not spec(name).refused and "time-sharing" in spec(name).why
+    run = local(files["base"] + ["--vllm.enable_sleep", "--deepspeed_enable_sleep", "--colocate_all_models"])
+    assert run.run.placement == "colocate"
+
+
+def test_drop_in_takes_openrlhf_defaults_and_the_users_flags_win(files):
+    from launch.train_ppo_ray import with_defaults
+
+    rcfg, run = on_ray(with_defaults(quick_start(files, "--rollout_batch_size", "16", "--train_batch_size", "8",
+                                                 "--micro_train_batch_size", "4", "--input_key", "prompt")))
+    l = run.learner
+    assert run.run.mode == "sync" and l.advantage_estimator == "gae" and l.critic_path == run.scorer.reward_model
+    assert (l.kl_in, l.kl_estimator, l.kl_coef, l.behav_correction) == ("reward", "k1", 0.01, "none")
+    assert run.buffer.n_samples_per_prompt == 1 and run.buffer.input_key == "prompt"  # the user's flag wins
+    assert (run.buffer.prompts_per_step, l.num_mini_batches, l.gradient_accumulation_steps) == (16, 2, 2)
+    assert l.dtype == "bfloat16" and l.adam_betas == [0.9, 0.95] and l.lr_schedule == "cosine"
+    assert run.generator.use_chat_template is False and l.critic_lr == 9e-6
+
+
+# ---- --help -------------------------------------------------------------------------------------
+
+
+def test_help_lists_the_flags_grouped_with_their_meaning_fast():
+    from launch.ray import __doc__ as ray_doc
+    from launch.cluster.config import ray_help
+
+    t0 = time.monotonic()
+    out = subprocess.run([sys.executable, "-m", "launch.local", "--help"], cwd=ROOT, capture_output=True,
+                         text=True, timeout=60)
+    took = time.monotonic() - t0
+    assert out.returncode == 0 and took < 3.0, (took, out.stderr[-2000:])
+    for text in (out.stdout, ray_help(ray_doc)):
+        assert "--algo.advantage.estimator [--advantage_estimator] -> learner.advantage_estimator" in text
+        assert "--eval.steps [--eval_steps] -> eval.every" in text
+        assert "--ds.ring_attn_size [--ring_attn_size]: ring attention is not supported" in text
+        assert "Conveyor's\nown keys win" in text or "own keys win" in text
+
+
+# ---- the quick start, run: the tiny model as policy and (with a value head) as reward model ----------
+
+
+
+
+@pytest.mark.slow
+def test_the_quick_start_trains_through_launch_local(quick_start_files, tmp_path):
+
+    run_dir = tmp_path / "checkpoint"
+    # with CurveZMQ on (on loopback it is off unless asked): every role holds the run's keys
+    res = subprocess.run([sys.executable, "-m", "launch.local", *run_quick_start(quick_start_files, run_dir),
+                          "--run.curve", "on"],
+                         cwd=ROOT, env=subprocess_env(), capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    # 16 prompts, 8 a step, one episode: two steps, then the buffer is done and the run ends
+    assert [r["step"] for r in rows] == [0, 1]
+    assert all(math.isfinite(r["reward/mean"]) and r["perf/samples"] == 8 * 4 for r in rows)  # Conveyor's n=4
+    assert (run_dir / "checkpoints" / "step_2" / "config.json").is_file()
+    resolved = (run_dir / "config.yaml").read_text()
+    assert quick_start_files["rm"] in resolved and "reward_model" in resolved
+    assert yaml.safe_load(resolved)["buffer"]["curve"] == "on" and (run_dir / "keys").stat().st_mode & 0o777 == 0o700
+    assert {p.name for p in (run_dir / "keys").glob("*.secret")} >= {"server.secret", "learner.secret",
+                                                                       "scorer-0.secret", "gen-0.secret"}
