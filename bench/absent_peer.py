@@ -41,7 +41,8 @@ def main() -> int:
 
     import os
 
-    from weight_sync.round import Bounded, RoundStore, failed_group, nccl_env, store_server
+    from weight_sync.groups import Bounded, failed_group, nccl_env
+    from weight_sync.round import RoundStore, store_server
 
     os.environ.update(nccl_env(args.deadline))  # as the launcher gives the learner (launch/roles.py)
     import torch

@@ -47,7 +47,7 @@ sys.path.insert(0, str(ROOT))
 def _pg(port: int, rank: int, is_master: bool, backend: str = "gloo"):
     import torch.distributed as dist
 
-    from weight_sync.round import make_group
+    from weight_sync.groups import make_group
 
     store = dist.TCPStore("127.0.0.1", port, None, is_master, timeout=timedelta(seconds=300), wait_for_workers=False)
     return store, make_group(backend, dist.PrefixStore("raw", store), rank, 2, 300)

@@ -173,10 +173,10 @@ def place(spec: RoleSpec, devices, round_timeout_s: float = 120.0) -> RoleSpec:
     """`spec` with its devices from the plan: CUDA_VISIBLE_DEVICES (and a memory share) in its
     environment, an engine's gpu_memory_utilization on its command line; on GPUs, the learner and
     the generators (the processes that join weight-sync NCCL groups) also get what those groups
-    need from the process's start (weight_sync.round.nccl_env)."""
+    need from the process's start (weight_sync.groups.nccl_env)."""
     spec.env = {**spec.env, **devices.env(spec.name)}
     if devices.layout != "cpu" and spec.kind in ("learner", "generator"):
-        from weight_sync.round import nccl_env
+        from weight_sync.groups import nccl_env
 
         spec.env.update(nccl_env(round_timeout_s))
     spec.argv = [*spec.argv, *devices.overrides(spec.name)]

@@ -8,7 +8,7 @@ lora_alpha / r, and only the adapters are trainable (DeepSpeed's AdamW sees only
 - a weight round sends the adapter alone (`iter_adapter_params`: peft's own file names and
   tensors, `base_model.model.<module>.lora_A.weight`), with its `adapter_spec` (rank, alpha,
   modules); the generator loads it as a LoRA adapter into vLLM, or merges it by hand in the
-  transformers backend (`actors/engines/vllm/worker.py`, `weight_sync.receiver.merge_adapter`);
+  transformers backend (`actors/engines/vllm/worker.py`, `weight_sync.adapter.merge_adapter`);
 - checkpoints hold the adapter in peft's format (`save_adapter`) and, on request, the merged
   model as a plain HF folder (`iter_merged_params`: base + scale * B @ A under the base names);
 - the reference model of the KL term is the same model with the adapter switched off

@@ -216,6 +216,15 @@ def targets(manifest: Manifest, buffers: Sequence["torch.Tensor"]) -> list:
     return [buffers[b] for b in sent(manifest)]
 
 
+def sync_device(device) -> None:
+    """Wait for what is queued on `device` (CUDA: copies into or out of buckets there) before its
+    buffers are read or written again; nothing elsewhere."""
+    if str(device).startswith("cuda"):
+        import torch
+
+        torch.cuda.synchronize(device)
+
+
 def _same(spec: TensorSpec, name: str, t: "torch.Tensor") -> bool:
     return spec.name == name and spec.shape == list(t.shape) and spec.dtype == dtype_name(t.dtype)
 

@@ -5,9 +5,9 @@ plain transformers backend (`receive_into_model`). A member's steps (the keys an
 are in `weight_sync/round.py`):
 
 1. say `join/<rank>` (as `shm` when the round's shared-memory segment is on this host and this
-   process can open it, or map its CUDA slot: then it copies the version from there, `_read_shm`,
-   and skips 2-4; a CUDA member also names its device, `_identity`), and take the receive
-   buffers (reused between rounds when the layout matches);
+   process can open it, or map its CUDA slot: then it copies the version from there,
+   `slot.read_slot`, and skips 2-4; a CUDA member also names its device, `slot.identity`), and
+   take the receive buffers (reused between rounds when the layout matches);
 2. wait for attempt k's roster; left out (or `abort`): `RoundMissed`, nothing loaded
    (`RoundRefused` when the sender said why: a member on the sender's own GPU that no slot can
    serve, `shm.route`); say `ready` and wait for the sender's `go` (or attempt k+1's roster, when
@@ -16,9 +16,9 @@ are in `weight_sync/round.py`):
    own buckets;
 4. report `ok` and return the buckets; on a failed broadcast report `err` and wait for attempt k+1.
 
-A same-host member (a vLLM worker) takes no buffers at all: `load_in_place` hands its load views
-of the sender's slot (its host slot, or for a CUDA member its device slot mapped by CUDA IPC),
-then checks the slot's seqlock.
+A same-host member (a vLLM worker) takes no buffers at all: `slot.load_in_place` hands its load
+views of the sender's slot (its host slot, or for a CUDA member its device slot mapped by CUDA
+IPC), then checks the slot's seqlock.
 
 A member receiving the broadcast onto a device (a CUDA vLLM worker) does not hold the model in
 buffers either: `receive_streaming` receives through two areas of the largest bucket and loads
@@ -27,9 +27,8 @@ figures). The price: until the last bucket is loaded the engine holds a mixture,
 does not complete leaves it `WeightsDamaged` rather than unchanged.
 
 A round whose `info.adapter` is set carries a LoRA adapter (peft's tensor names): vLLM loads it
-as an adapter from the folder `write_adapter` fills (peft's format); a plain torch model gets it
-merged into its weights by `receive_into_model` (base + scale * B @ A, from the base weights it
-kept at the first adapter round).
+as an adapter (`adapter.write_adapter`); a plain torch model gets it merged into its weights by
+`receive_into_model` (`adapter.merge_adapter`).
 """
 
 from __future__ import annotations
@@ -40,21 +39,14 @@ from typing import Any
 
 from weight_sync import buckets as bk
 from weight_sync import shm
-from weight_sync.messages import Adapter, RoundInfo, round_info
-from weight_sync.round import AbortAt, Bounded, RoundMissed, RoundStore, failed_group, member_groups
+from weight_sync.adapter import merge_adapter
+from weight_sync.groups import AbortAt, Bounded, failed_group, member_groups
+from weight_sync.messages import RoundInfo, round_info
+from weight_sync.round import RoundMissed, RoundStore, member_store
+from weight_sync.slot import WeightsDamaged, identity, read_slot
 
-__all__ = ["RoundMissed", "RoundRefused", "WeightsDamaged", "receive_buckets", "receive_streaming",
-           "receive_named_tensors", "receive_into_model", "load_disk", "in_place", "load_in_place", "write_adapter",
-           "adapter_modules", "merge_adapter"]
-
-PEFT_PREFIX = "base_model.model."
-
-
-def _sync_device(device) -> None:
-    if str(device).startswith("cuda"):
-        import torch
-
-        torch.cuda.synchronize(device)
+__all__ = ["RoundMissed", "RoundRefused", "receive_buckets", "receive_streaming", "receive_named_tensors",
+           "receive_into_model", "load_disk"]
 
 
 def receive_buckets(info: RoundInfo, local_rank: int = 0, device: Any = "cpu",
@@ -72,9 +64,9 @@ def receive_buckets(info: RoundInfo, local_rank: int = 0, device: Any = "cpu",
     t0 = time.monotonic()
     deadline = t0 + info.timeout_s
     rank = info.rank + local_rank
-    rs = _store(info, rank, deadline)
+    rs = member_store(info, rank, deadline)
     via_shm = info.shm is not None and shm.usable(info.shm, device)
-    rs.join(rank, shm=via_shm, **_identity(info, device))
+    rs.join(rank, shm=via_shm, **identity(info, device))
     sizes = list(info.manifest.buckets)
     if buffers is not None and [b.numel() for b in buffers] == sizes and all(_on(b, device) for b in buffers):
         bufs = list(buffers)
@@ -83,14 +75,14 @@ def receive_buckets(info: RoundInfo, local_rank: int = 0, device: Any = "cpu",
         if buffers is not None:
             buffers[:] = bufs
     if via_shm:
-        return _read_shm(info, rs, rank, bufs, deadline, t0)
+        return read_slot(info, rs, rank, bufs, deadline, t0)
 
     def transfer(pg) -> None:
         # every bucket's collective issued at once, in the sender's order (buckets.sent)
         works = [pg.broadcast(view, 0) for view in bk.targets(info.manifest, bufs)]
         for work in works:
             work.wait()
-        _sync_device(device)
+        bk.sync_device(device)
 
     recv_s, attempts = _attempts(info, rs, rank, deadline, transfer)
     stats = {"recv_s": recv_s, "join_to_done_s": time.monotonic() - t0, "attempts": attempts, "via": "broadcast",
@@ -137,7 +129,7 @@ def _attempts(info: RoundInfo, rs: RoundStore, rank: int, deadline: float, trans
                 member_groups.keep(where, info.secret, go.group, group_rank, pg)
             held = None
             t_bcast = time.monotonic()
-            with AbortAt(pg, deadline):  # every wait in it ends by the deadline (round.py: `Bounded`)
+            with AbortAt(pg, deadline):  # every wait in it ends by the deadline (groups.py: `Bounded`)
                 transfer(Bounded(pg, deadline))
             recv_s = time.monotonic() - t_bcast
             rs.report(attempt, rank, ok=True)
@@ -229,7 +221,7 @@ def receive_streaming(info: RoundInfo, load, local_rank: int = 0, device: Any = 
     on the current stream without further synchronisation (torch's docs/source/distributed.rst,
     "Synchronous and asynchronous collective operations"), so the load's copies, queued on the
     current stream, read the whole bucket. Before bucket j + count is posted into bucket j's area
-    the host waits for the current stream (`_sync_device`): the load has read the area by then,
+    the host waits for the current stream (`buckets.sync_device`): the load has read the area by then,
     whatever stream NCCL writes from. Bucket j + 1 was posted before, so it still arrives while
     bucket j is loaded. On the CPU (gloo) every step is in order anyway.
 
@@ -250,8 +242,8 @@ def receive_streaming(info: RoundInfo, load, local_rank: int = 0, device: Any = 
     t0 = time.monotonic()
     deadline = t0 + info.timeout_s
     rank = info.rank + local_rank
-    rs = _store(info, rank, deadline)
-    rs.join(rank, **_identity(info, device))
+    rs = member_store(info, rank, deadline)
+    rs.join(rank, **identity(info, device))
     manifest = info.manifest
     order = bk.sent(manifest)
     bufs = receive_areas(info, device, areas, count)
@@ -277,7 +269,7 @@ def receive_streaming(info: RoundInfo, load, local_rank: int = 0, device: Any = 
                 except Exception as e:
                     refused = e
             if j + count < len(order):
-                _sync_device(device)  # bucket j's load has read its area before it is written again
+                bk.sync_device(device)  # bucket j's load has read its area before it is written again
                 post(j + count)
         if refused is None and len(order) < len(manifest.buckets):  # zero-size tensors of empty buckets
             try:
@@ -285,7 +277,7 @@ def receive_streaming(info: RoundInfo, load, local_rank: int = 0, device: Any = 
                       for v in bucket_views(manifest, b, bufs[0])])
             except Exception as e:
                 refused = e
-        _sync_device(device)
+        bk.sync_device(device)
         if refused is not None:
             raise Stop(f"{type(refused).__name__}: {refused}") from refused
 
@@ -320,118 +312,6 @@ def fatal(error: str) -> bool:
     """Whether a failed round's message means the generator must stop (`FATAL`)."""
     return any(mark in error for mark in FATAL)
 
-
-def _identity(info: RoundInfo, device: Any) -> dict:
-    """What this member tells the sender when it joins (`RoundStore.join`): the UUID of its CUDA
-    device, and whether it sees the sender's device (read from the segment's header), so could
-    map a slot there by CUDA IPC."""
-    if not str(device).startswith("cuda"):
-        return {}
-    uuid = shm.device_uuid(device)
-    ipc = (info.backend == "nccl" and info.shm is not None and info.shm.host == shm.host_id()
-           and shm.sender_uuid(info.shm) in shm.visible_uuids())
-    return {"device": uuid, "ipc": ipc}
-
-
-def _store(info: RoundInfo, rank: int, deadline: float) -> RoundStore:
-    try:
-        return RoundStore(info.host, info.port, info.round_id, deadline - time.monotonic(), info.secret)
-    except Exception as e:  # sender gone
-        raise RoundMissed(f"rank {rank}: cannot reach the rendezvous store {info.host}:{info.port}: {e}") from None
-
-
-def _wait_shm_roster(info: RoundInfo, rs: RoundStore, rank: int, deadline: float) -> None:
-    """Until the sender names the segment's readers; `RoundMissed` if not in time or not this rank."""
-    roster = rs.wait_shm_roster(deadline)
-    if roster is None:
-        raise RoundMissed(f"rank {rank}: no roster for round {info.round_id} (shared memory) within {info.timeout_s}s")
-    if rank not in roster.ranks:
-        raise RoundMissed(f"rank {rank}: left out of round {info.round_id} (shared memory)")
-
-
-def _read_shm(info: RoundInfo, rs: RoundStore, rank: int, bufs: list, deadline: float, t0: float):
-    """The same-host path of `receive_buckets`: wait for the segment's roster, copy, report."""
-    _wait_shm_roster(info, rs, rank, deadline)
-    t_read = time.monotonic()
-    try:
-        shm.read(info.shm, info.version, info.manifest, bufs)
-    except RoundMissed:
-        rs.report("shm", rank, ok=False)
-        raise
-    recv_s = time.monotonic() - t_read
-    rs.report("shm", rank, ok=True)
-    return bufs, {"recv_s": recv_s, "join_to_done_s": time.monotonic() - t0, "attempts": 1,
-                  "via": "cuda_ipc" if info.shm.ipc else "shm",
-                  "bytes": info.manifest.total_bytes, "buckets": len(bufs)}
-
-
-class WeightsDamaged(RuntimeError):
-    """An in-place load was overwritten under it and no complete version could be loaded again
-    within the round's bound: the engine's weights are a mixture and it must not serve them."""
-
-
-REPAIRS = 5  # loads again after a torn in-place read before the weights are given up as damaged
-
-
-def in_place(info: RoundInfo, device: Any = "cpu") -> bool:
-    """Whether this member loads the round straight out of the sender's slot (`load_in_place`): a
-    same-host round of full weights whose slot this member can use (`shm.usable`): the host slot
-    (from the CPU, or copied host to device by the load), or for a CUDA member the slot on the
-    sender's device, mapped by CUDA IPC. Either way no receive buffer is taken: a CUDA member's
-    extra device memory for the round is nil."""
-    return info.backend != "disk" and info.adapter is None and info.shm is not None and shm.usable(info.shm, device)
-
-
-def load_in_place(info: RoundInfo, load, local_rank: int = 0, device: Any = "cpu") -> dict:
-    """Join a same-host round (`in_place`) and call `load(named)` on views of the sender's slot
-    itself: the engine copies the version once, from the segment into its weights, instead of into
-    receive buffers first. `load` returns what completes the load (e.g. repacking layers), called
-    once the seqlock confirms the slot was not rewritten meanwhile.
-
-    A slot rewritten under the load (the sender lapped this member: it was stalled past two rounds)
-    has left a mixture in the engine: it loads again from the newest complete version in the
-    segment (>= the round's), up to `REPAIRS` times within the round's bound, and the stats name
-    the version it holds. If none holds still, `WeightsDamaged`. Returns stats with `version`.
-    """
-    t0 = time.monotonic()
-    deadline = t0 + info.timeout_s
-    rank = info.rank + local_rank
-    rs = _store(info, rank, deadline)
-    rs.join(rank, shm=True, **_identity(info, device))
-    _wait_shm_roster(info, rs, rank, deadline)
-    t_load = time.monotonic()
-    try:  # the sender waits for this member's word: it hears it however the load ends
-        slot = shm.open_slot(info.shm, info.version, info.manifest)  # nothing loaded if it is not there
-        repairs = 0
-        while True:
-            finish = load(bk.unpack(info.manifest, slot.buckets))
-            _sync_device(device)  # the copies out of the slot are done before the seqlock's second look
-            if shm.intact(info.shm, slot, info.manifest):
-                break
-            again = None
-            while again is None and repairs < REPAIRS and time.monotonic() < deadline:
-                again = shm.newest(info.shm, info.manifest, info.version)
-                if again is None:
-                    time.sleep(0.01)  # the writer is in the middle of the newer version
-            if again is None:
-                raise WeightsDamaged(f"weights damaged: v{slot.version} was overwritten in shared memory while it "
-                                     f"was loaded, and no complete version could be loaded again ({repairs} tries)")
-            slot, repairs = again, repairs + 1
-        if finish is not None:
-            finish()
-    except BaseException:
-        try:
-            rs.report("shm", rank, ok=False)
-        except Exception:  # the sender is gone: nobody waits for the word
-            pass
-        raise
-    load_s = time.monotonic() - t_load
-    rs.report("shm", rank, ok=True)
-    return {"recv_s": 0.0, "load_s": load_s, "join_to_done_s": time.monotonic() - t0, "attempts": 1 + repairs,
-            "via": "shm_in_place", "bytes": info.manifest.total_bytes, "buckets": len(slot.buckets),
-            "version": slot.version, "repairs": repairs}
-
-
 def load_disk(info: RoundInfo, device: Any = "cpu") -> list[tuple[str, Any]]:
     """The named tensors of a disk round (`info.path` holds `model.safetensors` + manifest)."""
     from safetensors.torch import load_file
@@ -460,56 +340,6 @@ def receive_named_tensors(info: RoundInfo | dict, local_rank: int = 0, device: A
                        "attempts": 1}
     bufs, stats = receive_buckets(info, local_rank, device, buffers)
     return bk.unpack(info.manifest, bufs), stats
-
-
-def write_adapter(named: list, adapter: Adapter, folder: str) -> str:
-    """An adapter round's tensors as peft's format in `folder` (adapter_config.json and
-    adapter_model.safetensors, each written whole, then renamed into place); returns `folder`."""
-    import json
-
-    from safetensors.torch import save_file
-
-    os.makedirs(folder, exist_ok=True)
-    config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": adapter.r, "lora_alpha": adapter.lora_alpha,
-              "target_modules": list(adapter.target_modules), "bias": "none", "lora_dropout": 0.0}
-    tmp = os.path.join(folder, f"adapter_model.safetensors.tmp{os.getpid()}")
-    # clone: safetensors refuses tensors that share storage (the views share their bucket)
-    save_file({n: t.clone() for n, t in named}, tmp, metadata={"format": "pt"})
-    os.replace(tmp, os.path.join(folder, "adapter_model.safetensors"))
-    with open(tmp, "w") as f:
-        json.dump(config, f)
-    os.replace(tmp, os.path.join(folder, "adapter_config.json"))
-    return folder
-
-
-def adapter_modules(named: list) -> dict[str, dict[str, Any]]:
-    """An adapter round's tensors by module: `{"model.layers.0.mlp.up_proj": {"A": (r, in), "B": (out, r)}}`."""
-    out: dict[str, dict[str, Any]] = {}
-    for name, t in named:
-        module, sep, part = name.removeprefix(PEFT_PREFIX).rpartition(".lora_")
-        if not sep or part not in ("A.weight", "B.weight"):
-            raise KeyError(f"adapter tensor {name!r} is not a LoRA A or B weight")
-        out.setdefault(module, {})[part[0]] = t
-    return out
-
-
-def merge_adapter(model, named: list, adapter: Adapter, base: dict) -> int:
-    """Set every adapted weight of `model` to base + scale * B @ A; `base` (the caller's, kept
-    between rounds) gets the original weights at the first call. Returns the weights set."""
-    import torch
-
-    modules = dict(model.named_modules())
-    adapted = adapter_modules(named)
-    with torch.no_grad():
-        for name, ab in adapted.items():
-            if name not in modules or set(ab) != {"A", "B"}:
-                raise KeyError(f"adapter module {name!r}: not in the model, or without both A and B")
-            weight = modules[name].weight
-            w0 = base.setdefault(name, weight.detach().clone())
-            delta = ab["B"].to(weight.device, torch.float32) @ ab["A"].to(weight.device, torch.float32)  # (out, in)
-            weight.copy_((w0.float() + adapter.scale * delta).to(weight.dtype))
-    return len(adapted)
-
 
 def receive_into_model(model, info: RoundInfo | dict, strict: bool = True, base: dict | None = None) -> dict:
     """Receive a round and copy it into a transformers (or any torch) model's parameters/buffers.

@@ -7,8 +7,15 @@
 `publish` never blocks longer than `timeout_s`: it waits `join_timeout_s` at most for the round's
 members to show up (a generator joins at its next poll), broadcasts, and drops any member that has
 not received everything by the deadline (`weight_sync/round.py` has the round's keys and how a
-member dying mid-broadcast is survived). It never waits for a generator to finish a batch: one
-still busy after `join_timeout_s` is caught up later, as below.
+member dying mid-broadcast is survived, `weight_sync/broadcast.py` the attempts). It never waits
+for a generator to finish a batch: one still busy after `join_timeout_s` is caught up later, as
+below.
+
+Members on this host take the version from the sender's shared-memory slot instead of the
+broadcast (`weight_sync/shm.py`): once a round has had such members `publish` gathers straight
+into the slot, `_run_round` writes the version there if the gather did not and reads their
+reports alongside the broadcast, and a member on the sender's own GPU, which no NCCL group can
+hold, is refused (`_same_device`: for that round only while the slot can still move there).
 
 The sender holds the version as flat buckets, the layout members receive into (`buckets.py`): as
 `publish` iterates the learner's tensors it copies each into its place there (`buckets.gather`;
@@ -50,18 +57,15 @@ from common.channel import Channel
 from common.guards import WarnLimiter
 from common.wire import expect
 from weight_sync import buckets as bk
+from weight_sync.broadcast import Broadcast, collect
 from weight_sync.client import ask, channel
 from weight_sync.config import WeightSyncConfig
+from weight_sync.groups import SenderGroups
 from weight_sync.messages import Adapter, Go, Idle, PendingRequest, Ready, RoundResult, RoundStats, SameHost
-from weight_sync.round import Go as GroupGo
-from weight_sync.round import (AbortAt, Bounded, RoundStore, SenderGroups, failed_group, pause, process_alive, retire,
-                               store_server)
+from weight_sync.round import RoundStore, pause, process_alive, store_server
 from weight_sync.shm import REFUSE, Segment, bases, device_uuid, host_id, route, same_device_error, slot_device
 
 log = logging.getLogger("conveyor.weight_sync.sender")
-# After the first sign of trouble in an attempt (an `err` report, a failed broadcast), the others'
-# reports are awaited this long at least: a member tearing its group down takes a moment to say so.
-GRACE_S = 5.0
 
 
 def _local_address(host: str, port: int) -> str:
@@ -72,9 +76,6 @@ def _local_address(host: str, port: int) -> str:
             return s.getsockname()[0]
     except OSError:
         return "127.0.0.1"
-
-
-_store_server = store_server  # (its name here before it moved to weight_sync.round)
 
 
 def _with(cfg, **fields):
@@ -125,7 +126,7 @@ class WeightSender:
         # (over CurveZMQ when it is on): a stranger who reaches the store cannot find a key to join
         # a roster or a group by (the store has no way to list its keys).
         self._secret = secrets.token_hex(16)
-        self._groups = SenderGroups()  # broadcast groups kept between rounds (round.py)
+        self._groups = SenderGroups()  # broadcast groups kept between rounds (groups.py)
         # the shared-memory segment for generators on this host (weight_sync/shm.py); on NCCL the
         # slot may move to this rank's device, but only once a member asks for that (`served`)
         dev = slot_device(backend) if backend != "disk" else None
@@ -396,77 +397,14 @@ class WeightSender:
                 else 0.0
             rs.set_shm_roster(shm_ranks)
 
-        # 2. attempts: each broadcasts to the next `group_size` ranks still to serve (all of them
-        # when it is 0); whoever reports `err` is served again, up to max_attempts tries; silence
-        # means dead. The ranks after this attempt's are named in its roster as `later`.
-        ok_ranks: set[int] = set()
-        dead_ranks: set[int] = set()
-        tries: dict[int, int] = {}
-        size = self.cfg.group_size or len(todo)
-        place = {r: (m.worker_id, r - m.first_rank) for m in go.members for r in m.ranks}  # who holds a group rank
-        # by worker, not by the order they polled in: the same generators make the same groups
-        # round after round, which can then be kept (round.py: "groups kept between rounds")
-        pending, attempt = sorted(todo, key=lambda r: place[r]), 0
-        t_bcast = time.monotonic()
-        while pending:
-            if time.monotonic() >= deadline - 0.5:
-                dead_ranks |= set(pending)
-                break
-            todo, pending = pending[:size], pending[size:]
-            t_ready = time.monotonic()
-            offer, order = self._groups.offer(place[r] for r in todo)  # a kept group of exactly these members
-            if offer:  # listed in its group-rank order
-                todo = sorted(todo, key=lambda r: order.index(place[r]))
-            members = [place[r] for r in todo]
-            rs.set_roster(attempt, todo, later=pending, group=offer)
-            ready = rs.wait_ready(attempt, todo, min(deadline, time.monotonic() + self.cfg.setup_timeout_s))
-            out["ready_s"] += time.monotonic() - t_ready
-            if len(ready) < len(todo):  # silent since they joined: the others go on without them
-                dead_ranks |= set(todo) - set(ready)
-                pending = sorted(ready) + pending
-                attempt += 1
-                continue
-            reuse = bool(offer) and all(ready[r] == offer for r in todo)
-            if offer and not reuse:  # someone no longer holds it
-                self._groups.drop(offer)
-            gid = offer if reuse else self._groups.new_id()
-            rs.set_go(attempt, GroupGo(gid, reuse))
-            err, setup_s, transfer_s, pg = self._broadcast(rs, attempt, todo, bk.targets(manifest, buckets), deadline,
-                                                           self._groups.get(gid) if reuse else None)
-            if err:
-                self._groups.forget(gid)  # ended by _broadcast; its last reference goes with `pg` below
-            elif not reuse:
-                self._groups.keep(gid, members, pg)
-            out["setup_s"] += setup_s
-            out["transfer_s"] += transfer_s
-            out["groups_reused"] = out.get("groups_reused", 0) + int(reuse and not err)
-            t_confirm = time.monotonic()
-            reports = self._collect(rs, attempt, todo, deadline,
-                                    grace_s=max(GRACE_S, 2 * (setup_s + transfer_s)) if err else None)
-            out["confirm_s"] += time.monotonic() - t_confirm
-            del pg
-            if not err and not all(reports.get(r) for r in todo):
-                # after the reports: a group torn down early could fail a member still receiving
-                retire(self._groups.forget(gid))
-            ok_ranks |= {r for r, ok in reports.items() if ok}
-            dead_ranks |= set(todo) - set(reports)
-            attempt += 1
-            again = []
-            for r in sorted(r for r, ok in reports.items() if not ok):
-                tries[r] = tries.get(r, 0) + 1
-                if tries[r] < self.cfg.max_attempts:
-                    again.append(r)
-                else:
-                    dead_ranks.add(r)
-            pending = again + pending
-        rs.set_roster(attempt, [], abort=True)  # releases anyone still waiting (the refused too)
-        out["broadcast_s"] = time.monotonic() - t_bcast
-        out["attempts"] = attempt
+        # 2. the broadcast to the others, attempt after attempt (broadcast.py)
+        ok_ranks, dead_ranks = Broadcast(rs, self.backend, self.timeout_s, self.bucket_bytes, self._groups,
+                                         self.cfg).run(todo, go.members, manifest, buckets, deadline, out)
         if shm_ranks:  # their reads ran alongside the broadcast; a process gone, or silence by the
             # deadline, means failed
             pids = {r: rs.process_of(r) for r in shm_ranks}
-            reports = self._collect(rs, "shm", shm_ranks, deadline, None,
-                                    gone=lambda r: pids[r] is not None and not process_alive(pids[r]))
+            reports = collect(rs, "shm", shm_ranks, deadline, None,
+                              gone=lambda r: pids[r] is not None and not process_alive(pids[r]))
             ok_ranks |= {r for r, ok in reports.items() if ok}
             dead_ranks |= {r for r in shm_ranks if not reports.get(r)}
             out["same_host"] = sum(1 for r in shm_ranks if reports.get(r))
@@ -480,79 +418,6 @@ class WeightSender:
         out["failed"] = sorted(failed)
         out["ok"] = sorted({owner[r] for r in owner} - absent_workers - failed)
         return out
-
-    def _broadcast(self, rs: RoundStore, attempt: int, todo: list[int], sources: list, deadline: float,
-                   pg=None):
-        """One attempt as group rank 0, through `pg` (a kept group) or a new one; returns
-        (error or "", setup seconds, transfer seconds, group).
-
-        Every unit's collective is issued before the first is waited for (gloo and NCCL run them in
-        order), so no collective waits for the previous one's round trip. On NCCL, host sources
-        are copied to the device as they go, at most ~`bucket_bytes` ahead of the oldest
-        unfinished collective. Every wait ends by `deadline` (round.py: `Bounded`, `AbortAt`),
-        so a member that vanished costs this attempt, never the learner. On error the group is
-        aborted and goes with its last reference (its closed connections make peers still
-        waiting on us fail fast); otherwise the caller keeps it."""
-        import torch
-
-        t0 = time.monotonic()
-        work = inflight = None
-        try:
-            if pg is None:
-                pg = rs.group(self.backend, attempt, 0, 1 + len(todo), deadline, self.timeout_s)
-            t1 = time.monotonic()
-            inflight: list = []  # (work, bytes it holds on the device)
-            held = 0
-            with AbortAt(pg, deadline):
-                group = Bounded(pg, deadline)
-                for src in sources:
-                    dev = 0
-                    if self.backend == "nccl" and src.device.type != "cuda":
-                        src = src.to(torch.device("cuda", torch.cuda.current_device()), non_blocking=True)
-                        dev = src.numel()
-                    inflight.append((group.broadcast(src, 0), dev))
-                    held += dev
-                    while held > self.bucket_bytes and len(inflight) > 1:
-                        work, n = inflight.pop(0)
-                        work.wait()
-                        held -= n
-                for work, _ in inflight:
-                    work.wait()
-                if self.backend == "nccl":
-                    torch.cuda.synchronize()
-            return "", t1 - t0, time.monotonic() - t1, pg
-        except Exception as e:
-            # the group goes now, with the collectives still queued on it (they hold it)
-            e.__traceback__ = None
-            failed_group(pg, e)
-            work = inflight = group = pg = None
-            return f"{type(e).__name__}: {e}", time.monotonic() - t0, 0.0, None
-
-    def _collect(self, rs: RoundStore, attempt, todo: list[int], deadline: float,
-                 grace_s: float | None, gone=None) -> dict[int, bool]:
-        """Members' ok/err reports; stop at the deadline, or `grace_s` after the first sign of trouble.
-        `gone(rank)`: whether that member's process has exited (then it counts as `err`; its report,
-        were one written just before, is read first)."""
-        reports: dict[int, bool] = {}
-        since = time.monotonic()
-        stop = deadline if grace_s is None else min(deadline, since + grace_s)
-        while True:
-            for r in todo:
-                if r in reports:
-                    continue
-                ok = rs.report_of(attempt, r)
-                if ok is None and gone is not None and gone(r):
-                    ok = rs.report_of(attempt, r) or False
-                if ok is None:
-                    continue
-                reports[r] = ok
-                if not ok and grace_s is None and attempt != "shm":  # a broadcast in trouble: the
-                    # others get a grace period (same-host reads are independent of each other)
-                    grace_s = GRACE_S
-                    stop = min(deadline, time.monotonic() + grace_s)
-            if len(reports) == len(todo) or time.monotonic() >= stop:
-                return reports
-            pause(since)
 
     def _publish_disk(self, version: int, manifest: bk.Manifest, named: list, stats: dict,
                       deadline: float, adapter: Adapter | None = None) -> dict:

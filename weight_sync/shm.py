@@ -34,7 +34,7 @@ CUDA IPC handle of the slot (`cuda_ipc_handle`: torch's own `reduce_tensor` fiel
 msgpack-encoded, the device named by its UUID, as colocated trainers share weights with their
 engines), and a member on a CUDA device of the same host maps it (`open_cuda_ipc`, once per
 segment) and copies the version device to device (a vLLM worker straight into its weights,
-`receiver.load_in_place`), under the same seqlock. A member that cannot map it
+`slot.load_in_place`), under the same seqlock. A member that cannot map it
 (a CPU member, a device it cannot reach) takes the broadcast. A CPU slot serves CUDA members too:
 they copy it host to device.
 """
@@ -108,8 +108,9 @@ def route(backend: str, same_device: bool, shm_usable: bool, ipc_usable: bool) -
     `same_device`: the member's engine is on the very GPU of the sender (their CUDA UUIDs are
     equal). NCCL refuses two ranks of one communicator on one device (its communicator set-up
     fails), so such a member never joins an NCCL group: it takes a slot, or nothing (and
-    the sender says why, `same_device_error`). Gloo moves host tensors and has no such rule. A slot is preferred whenever one is usable: it costs
-    no group set-up, and the device slot is a device-to-device copy.
+    the sender says why, `same_device_error`). Gloo moves host tensors and has no such rule. A
+    slot is preferred whenever one is usable: it costs no group set-up, and the device slot is a
+    device-to-device copy.
 
         backend  same_device  shm  ipc  ->
         any      any          any  yes     ipc

@@ -51,7 +51,7 @@ from launch.devices.memory import demand_of
 from launch.devices.plan import DevicePlan, Placement as Seat, make_plan
 from launch.cluster.config import ResourceError
 from launch.roles import RoleSpec, place
-from weight_sync.round import nccl_env
+from weight_sync.groups import nccl_env
 
 DEFAULT_GPU_GB = 80.0  # a cluster GPU's memory for the plan when run.gpu_memory_gb does not say
 SHARED = ("colocate", "colocate_scorers")

@@ -11,7 +11,7 @@ from buffer.state import BufferState
 from weight_sync import buckets as bk
 from weight_sync.config import WeightSyncConfig
 from weight_sync.messages import Done, Offer, Poll, Ready, Register, RoundResult
-from weight_sync.service import SyncState
+from weight_sync.state import SyncState
 
 
 def make_state(tmp_path, **kw) -> BufferState:

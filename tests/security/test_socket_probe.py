@@ -391,7 +391,7 @@ def test_unread_replies_do_not_pile_up(buffer):
 
 
 def test_the_rendezvous_store_listens_on_the_given_host_only():
-    from weight_sync.sender import _store_server
+    from weight_sync.round import store_server as _store_server
 
     store = _store_server("127.0.0.1", 5.0)
     listening = [c.laddr for c in psutil.Process().net_connections("inet")

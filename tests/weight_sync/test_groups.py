@@ -3,7 +3,7 @@ every wait of a round ends by its deadline, and that a group is kept for the nex
 members come back.
 
 The NCCL decisions are pure functions checked here against the values torch 2.14's
-ProcessGroupNCCL calls for (weight_sync/round.py names the source); the bounds and the kept groups
+ProcessGroupNCCL calls for (weight_sync/groups.py names the source); the bounds and the kept groups
 run for real over gloo, in threads and processes of this machine.
 """
 
@@ -19,9 +19,10 @@ from datetime import timedelta
 import pytest
 import torch
 
-import weight_sync.round as R
+import weight_sync.groups as R
 from weight_sync.client import GeneratorSyncClient
 from weight_sync.receiver import receive_named_tensors
+from weight_sync.round import RoundStore, store_server, wait_key
 from weight_sync.sender import WeightSender
 from tests.helpers.procs import subprocess_env
 
@@ -116,7 +117,7 @@ def test_abort_at_fires_only_past_the_deadline():
 
 def test_abort_is_safe_on_gloo():
     # ProcessGroupGloo inherits Backend's abort, a no-op: the failure path may call it on any group
-    store = R.store_server("127.0.0.1", 5.0)
+    store = store_server("127.0.0.1", 5.0)
     pg = R.make_group("gloo", torch.distributed.PrefixStore("solo", store), 0, 1, 5.0)
     R.abort_group(pg)
     t = torch.ones(4)
@@ -159,8 +160,8 @@ def test_member_groups_hold_only_the_offered_group_as_the_same_rank():
 
 
 def _store_pair(timeout_s: float = 10.0):
-    server = R.store_server("127.0.0.1", timeout_s)
-    return server, R.RoundStore("127.0.0.1", server.port, 1, timeout_s, "ab" * 16)
+    server = store_server("127.0.0.1", timeout_s)
+    return server, RoundStore("127.0.0.1", server.port, 1, timeout_s, "ab" * 16)
 
 
 def test_group_setup_ends_at_the_deadline_when_a_member_never_comes():
@@ -176,7 +177,7 @@ def test_a_collective_ends_at_the_deadline_when_a_member_never_calls_it():
     """Both ranks build the group (threads); rank 1 then never takes part: rank 0's wait through
     `Bounded` ends by the deadline, with an error."""
     _, rs = _store_pair()
-    member = R.RoundStore("127.0.0.1", rs.port, 1, 10.0, "ab" * 16)
+    member = RoundStore("127.0.0.1", rs.port, 1, 10.0, "ab" * 16)
     groups = {}
     t = threading.Thread(target=lambda: groups.update(m=member.group("gloo", 0, 1, 2, time.monotonic() + 10, 30)))
     t.start()
@@ -195,9 +196,10 @@ def test_a_collective_ends_at_the_deadline_when_a_member_never_calls_it():
 
 MEMBER = """
 import os, sys, time, torch
-import weight_sync.round as R
+import weight_sync.groups as R
+from weight_sync.round import RoundStore
 port, die = int(sys.argv[1]), sys.argv[2] == "die"
-rs = R.RoundStore("127.0.0.1", port, 1, 10.0, "ab" * 16)
+rs = RoundStore("127.0.0.1", port, 1, 10.0, "ab" * 16)
 pg = R.Bounded(rs.group("gloo", 0, 1, 2, time.monotonic() + 10, 30), time.monotonic() + 20)
 buf = torch.empty(1 << 16)
 pg.broadcast(buf, 0).wait()
@@ -219,7 +221,7 @@ def test_a_member_that_dies_or_stalls_mid_broadcast_costs_the_sender_the_deadlin
         pg = rs.group("gloo", 0, 0, 2, time.monotonic() + 10, 30)
         group = R.Bounded(pg, time.monotonic() + 10)
         group.broadcast(torch.ones(1 << 16), 0).wait()
-        assert R.wait_key(rs.store, "a0/done/1", time.monotonic() + 10)  # the member has the first bucket
+        assert wait_key(rs.store, "a0/done/1", time.monotonic() + 10)  # the member has the first bucket
         if how == "dies":
             assert proc.wait(10) == 17
         deadline = time.monotonic() + 1.0

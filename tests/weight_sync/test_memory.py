@@ -21,9 +21,10 @@ from weight_sync import buckets as bk
 from weight_sync import receiver, shm
 from weight_sync.client import GeneratorSyncClient
 from weight_sync.messages import RoundInfo, SameHost
-from weight_sync.receiver import RoundRefused, WeightsDamaged, receive_streaming
+from weight_sync.receiver import RoundRefused, receive_streaming
 from weight_sync.round import RoundStore, store_server
 from weight_sync.sender import WeightSender
+from weight_sync.slot import WeightsDamaged
 
 KIB = 1024
 

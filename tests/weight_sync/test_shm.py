@@ -346,7 +346,7 @@ def _in_place_member(port: int, out: dict, loads: list) -> None:
     """A member that loads each round straight out of the slot into `out["weights"]` (a model's
     tensors); `loads[i]` is called after round i's copy, before the seqlock's second look (None:
     nothing), to rewrite the slot under it as a sender that lapped a stalled member does."""
-    from weight_sync.receiver import WeightsDamaged, in_place, load_in_place
+    from weight_sync.slot import WeightsDamaged, in_place, load_in_place
 
     ws = GeneratorSyncClient("127.0.0.1", port, "g0")
     ws.register("transformers")
@@ -379,7 +379,7 @@ def test_an_in_place_load_reads_the_slot_itself_and_repairs_a_torn_one(weight_sy
     loaded again from the newest complete version, which the stats name; one rewritten under every
     try ends in `WeightsDamaged`, and the round counts the member failed, as it does at once when
     the engine's load raises."""
-    from weight_sync.receiver import REPAIRS, WeightsDamaged
+    from weight_sync.slot import REPAIRS, WeightsDamaged
 
     svc, port = weight_sync_service
     named = _named()

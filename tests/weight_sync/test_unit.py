@@ -15,6 +15,7 @@ import zmq
 
 from launch.config import ConfigError, load_section
 from weight_sync import buckets as bk
+from weight_sync.adapter import merge_adapter
 from weight_sync.client import GeneratorSyncClient, WeightSyncError, ask
 from weight_sync.config import WeightSyncConfig
 from weight_sync.messages import (
@@ -36,9 +37,9 @@ from weight_sync.messages import (
     encode,
     round_info,
 )
-from weight_sync.receiver import RoundMissed, merge_adapter, receive_named_tensors
+from weight_sync.receiver import RoundMissed, receive_named_tensors
 from weight_sync.sender import WeightSender
-from weight_sync.service import SyncState
+from weight_sync.state import SyncState
 from launch.ports import free_port_block
 
 # ---------------------------------------------------------------------------------------------
@@ -480,7 +481,7 @@ def test_the_hook_keeps_serving_old_weights_but_stops_on_damaged_ones_or_a_fatal
     from types import SimpleNamespace
 
     from actors.weight_hook import WeightSyncHook
-    from weight_sync.receiver import WeightsDamaged
+    from weight_sync.slot import WeightsDamaged
 
     done = []
     ws = SimpleNamespace(done=lambda version, **kw: done.append((version, kw["ok"])))

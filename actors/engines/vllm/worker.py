@@ -92,7 +92,7 @@ class WorkerExtension:
 
         A same-host round through shared memory (or, for a CUDA worker, the sender's device slot
         mapped by CUDA IPC) is loaded straight out of the sender's slot
-        (`weight_sync.receiver.load_in_place`); `version` in the stats is the version loaded (newer
+        (`weight_sync.slot.load_in_place`); `version` in the stats is the version loaded (newer
         than the round's only when a torn load was repaired). A CUDA worker receiving the NCCL
         broadcast streams it bucket by bucket into the engine (`_receive_streamed`): its extra
         device memory is two buckets, never the model. An adapter round (`info.adapter`) is
@@ -102,7 +102,8 @@ class WorkerExtension:
         damaged: ...") when a streamed round broke off after loading began: the generator stops.
         """
         from weight_sync.messages import round_info as checked
-        from weight_sync.receiver import in_place, load_in_place, receive_named_tensors
+        from weight_sync.receiver import receive_named_tensors
+        from weight_sync.slot import in_place, load_in_place
 
         info = checked(round_info)  # a plain map across collective_rpc: checked again here
         local_rank = int(getattr(self, "rank", 0) or 0)  # tensor-parallel workers hold consecutive ranks
@@ -128,7 +129,7 @@ class WorkerExtension:
         if info.adapter is not None:
             from vllm.lora.request import LoRARequest
 
-            from weight_sync.receiver import write_adapter
+            from weight_sync.adapter import write_adapter
 
             # each worker reads its own copy: no worker waits on another's file
             path = write_adapter(named, info.adapter, os.path.join(lora_folder, f"rank{local_rank}"))
