@@ -289,8 +289,9 @@ class _Patience:
         return out
 
 
-def run_generator(cfg: GeneratorConfig, stop: threading.Event | None = None) -> int:
-    """Generate until the buffer is done, a signal comes, or `max_batches` leases; the exit code."""
+def run(cfg: GeneratorConfig, stop: threading.Event | None = None) -> int:
+    """Generate until the buffer is done, a signal comes (or `stop` is set), or `max_batches` leases;
+    the exit code. Without `stop`, SIGTERM/SIGINT are handled (on the main thread)."""
     worker_id = cfg.worker_id or f"gen-{socket.gethostname()}-{os.getpid()}"
     if stop is None:
         stop = threading.Event()

@@ -28,27 +28,10 @@ from actors.config import ScorerConfig
 from actors.rewards import EnvReward, OverlongPenalty, RemoteReward, RewardFn, RewardModel, Score
 from buffer.client import BufferClient
 from buffer.messages import LOGPROB_DTYPE, ProtocolError, Rollout, ScoredRollout
+from common.guards import WarnLimiter
 from common.ready import mark_ready
 
 log = logging.getLogger("conveyor.scorer")
-
-
-class RateLimitedLog:
-    """At most one warning per key every `interval_s`; the ones held back are counted into the next."""
-
-    def __init__(self, interval_s: float = 10.0):
-        self.interval_s = interval_s
-        self._last: dict[str, float] = {}
-        self._held = Counter()
-
-    def warn(self, key: str, msg: str) -> None:
-        now = time.monotonic()
-        if now - self._last.get(key, -1e18) < self.interval_s:
-            self._held[key] += 1
-            return
-        held = self._held.pop(key, 0)
-        self._last[key] = now
-        log.warning("%s%s", msg, f" (and {held} more like it since the last report)" if held else "")
 
 
 class Reference:
@@ -101,7 +84,7 @@ class Scorer:
         if cfg.overlong_buffer_len > 0:  # DAPO's soft overlong punishment: one more component, weight 1
             self.parts.append((OverlongPenalty(cfg.max_new_tokens, cfg.overlong_buffer_len,
                                                cfg.overlong_penalty_factor), 1.0))
-        self.limited = RateLimitedLog(cfg.log_every_s)
+        self.limited = WarnLimiter(log, cfg.log_every_s)
         self.failures = Counter()  # by component name
         self.scored = 0
         self.failed = 0
@@ -156,8 +139,9 @@ class Scorer:
         return out
 
 
-def run_scorer(cfg: ScorerConfig, stop: threading.Event | None = None) -> int:
-    """Score until a signal comes (or `stop` is set); the exit code."""
+def run(cfg: ScorerConfig, stop: threading.Event | None = None) -> int:
+    """Score until a signal comes (or `stop` is set); the exit code. Without `stop`, SIGTERM/SIGINT
+    are handled (on the main thread)."""
     worker_id = cfg.worker_id or f"scorer-{socket.gethostname()}-{os.getpid()}"
     if stop is None:
         stop = threading.Event()

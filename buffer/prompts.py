@@ -37,7 +37,8 @@ import numpy as np
 
 from buffer.config import BufferConfig
 from buffer.messages import ChatMessage, PromptGroup
-from common.datasets import BadRow, DatasetError, chat_messages, iter_rows, short_repr
+from common.datasets import BadRow, DatasetError, chat_messages, iter_rows
+from common.wire import short
 
 
 class PromptsError(ValueError):
@@ -149,7 +150,7 @@ def _prompt_of(row: Any, input_key: str, label_key: str, template: str) -> Row:
     if isinstance(label, (int, float)) and not isinstance(label, bool):
         label = str(label)
     if label is not None and not isinstance(label, str):
-        raise BadRow(f"{label_key!r} must be a string or a number, got {short_repr(label)}")
+        raise BadRow(f"{label_key!r} must be a string or a number, got {short(label)}")
     return text, label, messages
 
 

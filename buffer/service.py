@@ -118,7 +118,7 @@ class BufferService:
         self.cfg = cfg
         self.limits = DEFAULT_LIMITS
         self.warnings = WarnLimiter(log)
-        self.stopping = False
+        self.stopping = threading.Event()  # set by SIGTERM/SIGINT, or `run`'s caller's `stop`
         self.ctx = zmq.Context()
         # CurveZMQ: who may connect, and what each may ask (buffer/access.py); None on trusted loopback
         self.guard = server_guard(cfg.curve, cfg.host, self.ctx, "buffer")
@@ -217,11 +217,15 @@ class BufferService:
 
     # ---- the loop --------------------------------------------------------------------------
 
-    def run(self) -> None:
-        """Serve until SIGTERM/SIGINT: wait on the sockets, handle what came, expire leases, log."""
+    def run(self, stop: threading.Event | None = None) -> None:
+        """Serve until `stop` is set, or without it until SIGTERM/SIGINT: wait on the sockets, handle
+        what came, expire leases, log."""
+        if stop is not None:
+            self.stopping = stop
         if threading.current_thread() is threading.main_thread():  # (a test may run it in a thread)
-            for sig in (signal.SIGTERM, signal.SIGINT):
-                signal.signal(sig, self._on_signal)
+            if stop is None:
+                for sig in (signal.SIGTERM, signal.SIGINT):
+                    signal.signal(sig, self._on_signal)
             # two of the biggest messages may be on their way in at once; past that, see MemoryGuard
             self.memory = MemoryGuard(2 * self.limits.max_message_bytes)
             # what exists now (modules, config, the prompts) lives as long as the process: left out of
@@ -234,7 +238,7 @@ class BufferService:
                  self.cfg.n_samples_per_prompt, self.cfg.max_staleness,
                  f", dynamic sampling (at most {self.state.filter_cap} groups filtered per step)"
                  if self.cfg.dynamic_filtering else "")
-        while not self.stopping:
+        while not self.stopping.is_set():
             self._poll_relay_when_it_can_move()
             events = dict(self.poller.poll(POLL_MS))
             if self.control in events:
@@ -262,7 +266,7 @@ class BufferService:
 
     def _on_signal(self, signum, frame) -> None:
         log.info("signal %d: stopping", signum)
-        self.stopping = True
+        self.stopping.set()
 
     def _drain(self, sock: zmq.Socket, handle) -> None:
         for _ in range(DRAIN):
@@ -500,8 +504,12 @@ def _ids(ids: list[int], shown: int = 8) -> str:
     return ", ".join(map(str, ids[:shown])) + (f" ... ({len(ids)} in all)" if len(ids) > shown else "")
 
 
-def serve(cfg: BufferConfig, resume: bool = False, eval_cfg: EvalConfig | None = None) -> int:
-    """Run a buffer until SIGTERM/SIGINT; the exit status."""
+def run(cfg: BufferConfig, stop: threading.Event | None = None, resume: bool = False,
+        eval_cfg: EvalConfig | None = None) -> int:
+    """Run a buffer until `stop` is set, or without it until SIGTERM/SIGINT; the exit code.
+
+    `resume`: saved state in `buffer.state_dir` is required (ResumeError without it); `eval_cfg`:
+    the run's `eval:` section, for evaluation during training."""
     raise_open_files_limit(log, per_peer=3)
-    BufferService(cfg, resume, eval_cfg).run()
+    BufferService(cfg, resume, eval_cfg).run(stop)
     return 0

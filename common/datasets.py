@@ -32,6 +32,8 @@ import re
 from pathlib import Path
 from typing import Any, Iterator
 
+from common.wire import short
+
 DATA_SUFFIXES = (".parquet", ".jsonl", ".json", ".ndjson")
 # `datasets`' split names and the words a file or folder name may use for them
 SPLIT_ALIASES = {"train": ("train", "training"), "validation": ("validation", "valid", "dev", "val"),
@@ -131,19 +133,13 @@ def chat_messages(value: Any, key: str) -> list[dict]:
     if isinstance(value, str):
         return [{"role": "user", "content": value}]
     if not isinstance(value, list) or not value:
-        raise BadRow(f"{key!r} must be a string or a non-empty list of messages, got {short_repr(value)}")
+        raise BadRow(f"{key!r} must be a string or a non-empty list of messages, got {short(value)}")
     out = []
     for i, m in enumerate(value):
         if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
-            raise BadRow(f"{key!r}[{i}] must be {{'role': str, 'content': str}}, got {short_repr(m)}")
+            raise BadRow(f"{key!r}[{i}] must be {{'role': str, 'content': str}}, got {short(m)}")
         out.append({"role": m["role"], "content": m["content"]})
     return out
-
-
-def short_repr(value: Any, n: int = 60) -> str:
-    """repr(value), cut to n characters (for a bad value quoted in an error)."""
-    s = repr(value)
-    return s if len(s) <= n else s[: n - 3] + "..."
 
 
 # ------------------------------------------------------------------------------------------------

@@ -166,7 +166,7 @@ def main(argv: list[str] | None = None) -> int:
     seed = opts["seed"]
     t_start = time.monotonic()
 
-    from launch.config import ConfigError
+    from common.config import ConfigError
     from launch.local import EXIT_CODES, read_metrics, run_local
     from launch.run_config import load_run_config
 

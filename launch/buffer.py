@@ -12,44 +12,24 @@ ingest=... relay_in=... relay_out=...` on stdout once its sockets are bound; log
 
 from __future__ import annotations
 
-import logging
 import sys
+
+from common.config import load_section
+from launch.entry import role_main
 
 
 def main(argv: list[str] | None = None) -> int:
     from buffer.config import BufferConfig
-    from launch.config import role_main_config
 
-    cfg, path, flags = role_main_config(BufferConfig, "buffer", argv, __doc__, flags=("resume",))
-    eval_cfg = eval_section(path)
-    logging.basicConfig(level=cfg.log_level.upper(), stream=sys.stderr,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-
-    from buffer.service import ResumeError, serve
-    from buffer.state import PromptsError
-    from buffer.store import StateLocked
-    from common.curve import KeyFolderError
-
-    try:
-        return serve(cfg, resume=flags["resume"], eval_cfg=eval_cfg)
-    except (PromptsError, ResumeError, StateLocked, KeyFolderError) as e:
-        print(f"launch.buffer: {e}", file=sys.stderr)
-        return 2
-    except OSError as e:  # a port already taken
-        print(f"launch.buffer: {e}", file=sys.stderr)
-        return 1
+    return role_main("buffer", BufferConfig, "buffer.service:run", __doc__, argv, flags=("resume",),
+                     more=eval_section, failed=(OSError,))  # (OSError: a port already taken)
 
 
-def eval_section(path: str | None):
+def eval_section(cfg, path: str | None) -> dict:
     """The file's `eval:` section (evaluation during training), which the buffer serves too."""
     from buffer.config import EvalConfig
-    from launch.config import ConfigError, load_section
 
-    try:
-        return load_section(EvalConfig, "eval", path)
-    except ConfigError as e:
-        print(f"launch.buffer: {e}", file=sys.stderr)
-        sys.exit(2)
+    return {"eval_cfg": load_section(EvalConfig, "eval", path)}
 
 
 if __name__ == "__main__":

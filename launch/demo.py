@@ -222,7 +222,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     show_plan = "--plan" in argv
     demo, overrides = split_demo_args([a for a in argv if a != "--plan"])
-    from launch.config import ConfigError
+    from common.config import ConfigError
     from launch.local import EXIT_CODES, device_plan, print_plan, read_metrics, run_local
     from launch.run_config import load_run_config
 

@@ -21,8 +21,9 @@ from __future__ import annotations
 
 import sys
 
-from launch.config import Alias, ignored, parse_bool, renames
-from launch.sft import COMMON_ALIASES, offline_main
+from common.config import Alias, ignored, parse_bool, renames
+from launch.entry import role_main
+from launch.sft import COMMON_ALIASES
 
 DPO_ALIASES = {
     **COMMON_ALIASES,
@@ -35,7 +36,7 @@ DPO_ALIASES = {
 def main(argv: list[str] | None = None) -> int:
     from learner.offline.config import DPOConfig
 
-    return offline_main("launch.dpo", DPOConfig, "dpo", DPO_ALIASES, __doc__, "dpo", argv)
+    return role_main("dpo", DPOConfig, "learner.offline.dpo:run", __doc__, argv, aliases=DPO_ALIASES)
 
 
 if __name__ == "__main__":

@@ -9,33 +9,26 @@ CONFIG (see actors/config.py for every key); the buffer's address defaults to th
 
 from __future__ import annotations
 
-import logging
 import os
 import socket
 import sys
 
-from common.curve import default_identity
+from launch.entry import role_main
 
 
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str] | None = None) -> int:
     from actors.config import GeneratorConfig
-    from launch.config import role_main_config
 
-    cfg, _, _ = role_main_config(GeneratorConfig, "generator", argv, __doc__)
-    if not cfg.worker_id:  # (one name for its leases, its weight rounds and its CurveZMQ key)
+    return role_main("generator", GeneratorConfig, "actors.generator:run", __doc__, argv, identity=worker_name)
+
+
+def worker_name(cfg) -> str:
+    """One name for the generator's leases, its weight rounds and its CurveZMQ key: `generator.worker_id`,
+    made up here when it is not set."""
+    if not cfg.worker_id:
         cfg.worker_id = f"gen-{socket.gethostname()}-{os.getpid()}"
-    default_identity(cfg.worker_id)
-    logging.basicConfig(level=logging.INFO, stream=sys.stderr,
-                        format="%(asctime)s generator %(levelname)s %(message)s")
-    from actors.envs.api import EnvLoadError
-    from actors.generator import run_generator
-
-    try:
-        sys.exit(run_generator(cfg))
-    except EnvLoadError as e:
-        print(f"launch.generator: {e}", file=sys.stderr)
-        sys.exit(2)
+    return cfg.worker_id
 
 
 if __name__ == "__main__":  # vLLM spawns its engine process: this guard is required
-    main()
+    sys.exit(main())

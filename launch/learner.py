@@ -15,28 +15,23 @@ from __future__ import annotations
 
 import sys
 
+from common.config import load_section
+from launch.entry import role_main
 
-def main(argv: list[str] | None = None) -> None:
-    from launch.config import ConfigError, load_section, role_main_config
+
+def main(argv: list[str] | None = None) -> int:
     from learner.config import LearnerConfig
+
+    return role_main("learner", LearnerConfig, "learner.trainer:run", __doc__, argv, identity="learner",
+                     more=weight_sync_section)
+
+
+def weight_sync_section(cfg, path: str | None) -> dict:
+    """The sender's knobs from the file's `weight_sync:` section, when the learner publishes weights."""
     from weight_sync.config import WeightSyncConfig
 
-    cfg, path, _ = role_main_config(LearnerConfig, "learner", argv, __doc__)
-    from common.curve import default_identity
-
-    default_identity("learner")  # (its CurveZMQ key, when the run has keys)
-    weight_sync = None
-    if cfg.weight_sync_port:
-        try:
-            weight_sync = load_section(WeightSyncConfig, "weight_sync", path)
-        except ConfigError as e:
-            print(f"launch.learner: {e}", file=sys.stderr)
-            sys.exit(2)
-
-    from learner.trainer import run
-
-    run(cfg, weight_sync=weight_sync)
+    return {"weight_sync": load_section(WeightSyncConfig, "weight_sync", path) if cfg.weight_sync_port else None}
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -208,7 +208,7 @@ def main(argv: list[str] | None = None) -> None:
     from launch.run_config import run_help
 
     help_or_usage(argv, lambda: run_help(__doc__))
-    from launch.config import ConfigError
+    from common.config import ConfigError
     from launch.run_config import load_run_config
 
     config_path = argv.pop(0) if not argv[0].startswith("--") else None

@@ -197,7 +197,7 @@ def main(argv: list[str] | None = None) -> None:
         from launch.cluster.status import control_main
 
         sys.exit(control_main(argv))
-    from launch.config import ConfigError
+    from common.config import ConfigError
 
     config_path = argv.pop(0) if not argv[0].startswith("--") else None
     show_plan = "--plan" in argv
@@ -216,7 +216,7 @@ def print_plan(rcfg, run) -> int:
     """`--plan`: the device plan on $CONVEYOR_FAKE_GPUS's nodes or this machine's GPUs (no cluster is
     joined, nothing written), with what each role process reserves from Ray; 0, or 2 with the
     numbers when the run does not fit."""
-    from launch.config import ConfigError
+    from common.config import ConfigError
     from launch.devices.view import print_plan as show
     from launch.cluster.devices import RayDevices, offline_nodes
 

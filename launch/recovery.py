@@ -17,7 +17,9 @@ import time
 from pathlib import Path
 from typing import Callable
 
-EXIT_CODES = {"config": 2, "buffer": 3, "weight_sync": 4, "learner": 5, "generator": 6, "scorer": 7, "stalled": 8}
+# "failed": a failure no other key names (a role that cannot bind its port, ...)
+EXIT_CODES = {"failed": 1, "config": 2, "buffer": 3, "weight_sync": 4, "learner": 5, "generator": 6, "scorer": 7,
+              "stalled": 8}
 RESUMABLE = {EXIT_CODES["buffer"], EXIT_CODES["weight_sync"], EXIT_CODES["learner"]}
 
 

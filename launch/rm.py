@@ -15,8 +15,9 @@ from __future__ import annotations
 
 import sys
 
-from launch.config import ignored
-from launch.sft import COMMON_ALIASES, offline_main
+from common.config import ignored
+from launch.entry import role_main
+from launch.sft import COMMON_ALIASES
 
 RM_ALIASES = {
     **COMMON_ALIASES,
@@ -27,7 +28,7 @@ RM_ALIASES = {
 def main(argv: list[str] | None = None) -> int:
     from learner.offline.config import RMConfig
 
-    return offline_main("launch.rm", RMConfig, "rm", RM_ALIASES, __doc__, "rm", argv)
+    return role_main("rm", RMConfig, "learner.offline.rm:run", __doc__, argv, aliases=RM_ALIASES)
 
 
 if __name__ == "__main__":

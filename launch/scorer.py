@@ -10,24 +10,16 @@ section. Example:
 
 from __future__ import annotations
 
-import logging
 import sys
 
+from launch.entry import role_main
 
-def main(argv: list[str] | None = None) -> None:
+
+def main(argv: list[str] | None = None) -> int:
     from actors.config import ScorerConfig
-    from launch.config import role_main_config
 
-    cfg, _, _ = role_main_config(ScorerConfig, "scorer", argv, __doc__)
-    from common.curve import default_identity
-
-    default_identity("scorer")  # (its CurveZMQ key, when the run has keys)
-    logging.basicConfig(level=logging.INFO, stream=sys.stderr,
-                        format="%(asctime)s scorer %(levelname)s %(message)s")
-    from actors.scorer import run_scorer
-
-    sys.exit(run_scorer(cfg))
+    return role_main("scorer", ScorerConfig, "actors.scorer:run", __doc__, argv, identity="scorer")
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -18,7 +18,9 @@ from __future__ import annotations
 
 import sys
 
-from launch.config import Alias, bf16, ignored, renames
+from common.config import Alias, ignored, renames
+from launch.config import bf16
+from launch.entry import role_main
 
 
 def _save_steps(v: str) -> str:
@@ -43,47 +45,10 @@ COMMON_ALIASES: dict[str, Alias] = {
 SFT_ALIASES = {**COMMON_ALIASES, **renames(output_key="response_key", packing_samples="packing")}
 
 
-def parse_offline(cls: type, section: str, aliases: dict, argv: list[str]):
-    """The config of one offline trainer: YAML section, then overrides (dotted, bare or OpenRLHF)."""
-    from launch.config import load_section, split_argv
-
-    config_path, rest = split_argv(argv)
-    return load_section(cls, section, config_path, rest, aliases)
-
-
-def offline_main(prog: str, cls: type, section: str, aliases: dict, doc: str, run_name: str,
-                 argv: list[str] | None) -> int:
-    """Parse, then call learner.<run_name>.run; exit code 2 for a bad config or dataset."""
-    from launch.config import ConfigError, render_help, wants_help
-
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if wants_help(argv):
-        print(render_help(doc, {section: cls}, aliases, own=section), end="")
-        return 0
-    try:
-        cfg = parse_offline(cls, section, aliases, argv)
-    except ConfigError as e:
-        print(f"{prog}: {e}", file=sys.stderr)
-        return 2
-
-    import importlib
-
-    from learner.offline.datasets import DatasetError
-    from learner.offline.loop import SetupError
-
-    trainer = importlib.import_module(f"learner.offline.{run_name}")
-    try:
-        trainer.run(cfg)
-    except (DatasetError, SetupError) as e:
-        print(f"{prog}: {e}", file=sys.stderr)
-        return 2
-    return 0
-
-
 def main(argv: list[str] | None = None) -> int:
     from learner.offline.config import SFTConfig
 
-    return offline_main("launch.sft", SFTConfig, "sft", SFT_ALIASES, __doc__, "sft", argv)
+    return role_main("sft", SFTConfig, "learner.offline.sft:run", __doc__, argv, aliases=SFT_ALIASES)
 
 
 if __name__ == "__main__":

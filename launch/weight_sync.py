@@ -6,25 +6,16 @@ serves until SIGTERM/SIGINT.
 
 from __future__ import annotations
 
-import logging
 import sys
 
+from launch.entry import role_main
 
-def main(argv: list[str] | None = None) -> None:
-    from launch.config import role_main_config
+
+def main(argv: list[str] | None = None) -> int:
     from weight_sync.config import WeightSyncConfig
 
-    cfg, _, _ = role_main_config(WeightSyncConfig, "weight_sync", argv, __doc__)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    from common.curve import KeyFolderError
-    from weight_sync.service import serve
-
-    try:
-        serve(cfg)
-    except KeyFolderError as e:
-        print(f"launch.weight_sync: {e}", file=sys.stderr)
-        sys.exit(2)
+    return role_main("weight_sync", WeightSyncConfig, "weight_sync.service:run", __doc__, argv)
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

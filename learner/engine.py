@@ -94,6 +94,16 @@ def all_reduce_sum(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
+def stopped(stop, world: int, device: torch.device) -> bool:
+    """Whether the `threading.Event` `stop` is set on any rank, so that every rank stops at the same
+    step (collective when there are several ranks and a `stop` at all)."""
+    if stop is None:
+        return False
+    if world == 1:
+        return stop.is_set()
+    return bool(all_reduce_sum(torch.tensor([float(stop.is_set())], device=device)).item())
+
+
 def deepspeed_config(cfg: LearnerConfig) -> dict:
     """The DeepSpeed config dict for LearnerConfig (the optimizer and schedule are passed as objects)."""
     return {

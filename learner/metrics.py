@@ -20,11 +20,6 @@ from typing import Any
 SUMMED = ("perf/tokens", "perf/samples")
 
 
-def say(role: str, msg: str) -> None:
-    """A progress line for people, on stderr (`role: msg`); nothing reads it back."""
-    print(f"{role}: {msg}", file=sys.stderr, flush=True)
-
-
 def reduce_across_ranks(metrics: dict[str, float], device) -> dict[str, float]:
     """Mean over ranks; `*_min` keys take the min, `*_max` the max, the keys in SUMMED the sum.
 

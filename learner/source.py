@@ -18,6 +18,7 @@ evaluation must not stop it.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import time
 from enum import IntEnum
 
@@ -28,11 +29,8 @@ from buffer.client import BufferClient, BufferDone, BufferError, ResumeNeeded
 from buffer.messages import Batch, EvalReport, EvalRequest, Wait
 from learner.config import LearnerConfig
 from learner.ledger import Ledger
-from learner.metrics import say
 
-
-def log(msg: str) -> None:
-    say("learner", msg)
+log = logging.getLogger("conveyor.learner")
 
 
 # ---- batches -----------------------------------------------------------------------------------
@@ -84,7 +82,7 @@ def ask_for_share(source, step: int, rank: int, world: int, cfg: LearnerConfig, 
     asks for the resume handshake again: rank 0 gives it (the lineage is the one in memory).
     """
     def on_wait(waited_s: float, reason: str) -> None:
-        log(f"rank {rank} waiting {waited_s:.0f}s for step {step}'s batch: {reason}")
+        log.info(f"rank {rank} waiting {waited_s:.0f}s for step {step}'s batch: {reason}")
 
     deadline = time.monotonic() + cfg.batch_timeout_s
     kw = {"on_wait": on_wait, "report_every_s": cfg.wait_log_s} if isinstance(source, BufferClient) else {}
@@ -98,7 +96,7 @@ def ask_for_share(source, step: int, rank: int, world: int, cfg: LearnerConfig, 
                     raise TimeoutError(f"the buffer kept asking for the resume handshake for "
                                        f"{cfg.batch_timeout_s:.0f}s") from None
                 if rank == 0:
-                    log(f"the buffer restarted from disk: resume handshake again at step {step}")
+                    log.info(f"the buffer restarted from disk: resume handshake again at step {step}")
                     handshake(source, step, ledger)
                 else:
                     time.sleep(0.5)
@@ -134,14 +132,14 @@ def handshake(source, step: int, ledger: Ledger | None) -> None:
     trained = ledger.trained() if ledger is not None else []
     resume(step, trained)
     if step:
-        log(f"buffer told: resuming at step {step} with {len(trained)} groups trained")
+        log.info(f"buffer told: resuming at step {step} with {len(trained)} groups trained")
 
 
 def tell_version(source, version: int) -> None:
     try:
         source.set_version(version)
     except (BufferError, TimeoutError) as e:
-        log(f"could not tell the buffer version {version}: {e}")
+        log.info(f"could not tell the buffer version {version}: {e}")
 
 
 # ---- evaluation during training ------------------------------------------------------------------
@@ -163,20 +161,20 @@ def evaluate(source, version: int, cfg: LearnerConfig) -> dict[str, float]:
         try:
             reply = source.request(EvalRequest(version))
         except (BufferError, TimeoutError) as e:
-            log(f"evaluation of version {version} skipped: {e}")
+            log.info(f"evaluation of version {version} skipped: {e}")
             return {"eval/timeouts": 1.0}
         now = time.monotonic()
         if isinstance(reply, EvalReport):
-            log(f"evaluation of version {version}: pass@1 {reply.values.get('eval/pass@1', 0):.3f} "
+            log.info(f"evaluation of version {version}: pass@1 {reply.values.get('eval/pass@1', 0):.3f} "
                            f"reward {reply.values.get('eval/reward_mean', 0):.3f} ({now - t0:.1f}s)")
             return {**reply.values, "eval/wait_s": now - t0}
         if not isinstance(reply, Wait):
             raise BufferError(f"unexpected reply to eval_request: {type(reply).__name__}")
         if now - t0 > cfg.eval_timeout_s:
-            log(f"evaluation of version {version} given up after {cfg.eval_timeout_s:.0f}s "
+            log.info(f"evaluation of version {version} given up after {cfg.eval_timeout_s:.0f}s "
                            f"(learner.eval_timeout_s): {reply.reason}; training goes on")
             return {"eval/timeouts": 1.0}
         if now >= next_report:
-            log(f"waiting {now - t0:.0f}s for the evaluation of version {version}: {reply.reason}")
+            log.info(f"waiting {now - t0:.0f}s for the evaluation of version {version}: {reply.reason}")
             next_report = now + cfg.wait_log_s
         time.sleep(reply.retry_after_s)

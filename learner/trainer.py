@@ -35,6 +35,8 @@ version N before step N (every `eval_every` versions, and the final one), and lo
 
 from __future__ import annotations
 
+import logging
+import threading
 import time
 from collections import defaultdict
 from contextlib import ExitStack, closing
@@ -51,33 +53,39 @@ from learner.batching import (TrainBatch, buffer_stats, mini_batches, score_stat
 from learner.checkpoint import restore_latest, save_checkpoint
 from learner.config import LearnerConfig
 from learner.engine import (all_reduce_sum, build_critic_engine, build_policy_engine, grad_norm,
-                            iter_publish_params, process_group)
+                            iter_publish_params, process_group, stopped)
 from learner.ledger import Ledger
 from learner.source import due, evaluate, fetch_batch, handshake, step_group_ids, tell_version
 from learner.lora import adapter_disabled, adapter_spec, is_lora
 from learner.losses import aggregate, behaviour_correction, kl_penalty, policy_loss, value_loss
-from learner.metrics import MetricsWriter, reduce_across_ranks, say
+from learner.metrics import MetricsWriter, reduce_across_ranks
 from learner.modeling import masked_mean, next_token_stats
 from learner.packing import PackedRows, regroup
 
 
-def log(msg: str) -> None:
-    say("learner", msg)
+log = logging.getLogger("conveyor.learner")
 
 
-def run(cfg: LearnerConfig, source=None, weight_sync=None) -> dict[str, float]:
-    """Train until `total_steps` or until the buffer is done; returns the last step's metrics.
+def run(cfg: LearnerConfig, stop: threading.Event | None = None, weight_sync=None) -> int:
+    """The learner rank (`python -m launch.learner`): `train` against the configured buffer; the exit code."""
+    train(cfg, weight_sync=weight_sync, stop=stop)
+    return 0
+
+
+def train(cfg: LearnerConfig, source=None, weight_sync=None, stop: threading.Event | None = None) -> dict[str, float]:
+    """Train until `total_steps`, until the buffer is done or until `stop` is set (on any rank: the
+    ranks agree on it between steps); returns the last step's metrics.
 
     `source` answers `get_batch(step, rank, world_size, timeout_s=...)` and `set_version(v)`;
     default: a `BufferClient` at the configured buffer. `weight_sync`: the run's
     `WeightSyncConfig` (bucket size, backend, join timeout, ...) for the sender on rank 0.
     """
     with process_group(cfg) as (rank, world, device):
-        return train(cfg, source, rank, world, device, weight_sync)
+        return train_rank(cfg, source, rank, world, device, weight_sync, stop)
 
 
-def train(cfg: LearnerConfig, source, rank: int, world: int, device: torch.device,
-          weight_sync=None) -> dict[str, float]:
+def train_rank(cfg: LearnerConfig, source, rank: int, world: int, device: torch.device,
+               weight_sync=None, stop: threading.Event | None = None) -> dict[str, float]:
     """The loop itself, on a rank of an initialised process group. However it ends, what it opened
     (the buffer client, and on rank 0 the ledger, the metrics writer and the weight sender) is closed."""
     torch.manual_seed(cfg.seed)
@@ -89,7 +97,7 @@ def train(cfg: LearnerConfig, source, rank: int, world: int, device: torch.devic
     if cfg.resume:
         step, ckpt = restore_latest(cfg.run_dir, policy, critic, "run.learner_ranks", "learner.zero_stage")
     if ckpt is not None and rank == 0:
-        log(f"resumed from {ckpt} at step {step}")
+        log.info(f"resumed from {ckpt} at step {step}")
     start_step = saved_step = step
 
     with ExitStack() as opened:
@@ -115,14 +123,14 @@ def train(cfg: LearnerConfig, source, rank: int, world: int, device: torch.devic
             dist.barrier()  # no rank asks for a batch before the buffer knows where the lineage stands
 
         last: dict[str, float] = {}
-        while step < cfg.total_steps:
+        while step < cfg.total_steps and not stopped(stop, world, device):
             # (the policy of version `step` is what the generators hold now: the round is run with it)
             evaluated = evaluate(source, step, cfg) if rank == 0 and due(cfg, step) else {}
             t0 = time.monotonic()
             batch = fetch_batch(source, step, rank, world, cfg, device, ledger)
             if batch is None:
                 if rank == 0:
-                    log(f"buffer is done at step {step}")
+                    log.info(f"buffer is done at step {step}")
                 break
             t_wait = time.monotonic() - t0
 
@@ -165,7 +173,7 @@ def train(cfg: LearnerConfig, source, rank: int, world: int, device: torch.devic
                     metrics.setdefault(k, v)
                 metrics.update(evaluated)
                 writer.log(trained_step, metrics)
-                log(f"step {trained_step}: loss {metrics['loss/policy']:.4f} reward {metrics['reward/mean']:.3f} "
+                log.info(f"step {trained_step}: loss {metrics['loss/policy']:.4f} reward {metrics['reward/mean']:.3f} "
                     f"staleness {metrics.get('buffer/staleness_mean', 0):.2f} wait {t_wait:.2f}s train {t_train:.2f}s")
             last = metrics
 
@@ -393,7 +401,7 @@ def publish(sender, policy, version: int, rank: int) -> dict:
     if rank == 0:
         stats = sender.publish(version, params, adapter=adapter_spec(policy)) or {}
         if stats.get("error") or stats.get("failed"):
-            log(f"weight sync of version {version}: error {stats.get('error')!r}, failed {stats.get('failed')}")
+            log.info(f"weight sync of version {version}: error {stats.get('error')!r}, failed {stats.get('failed')}")
     for _ in params:  # other ranks (and rank 0, if the sender stopped early) finish the gathers
         pass
     return stats

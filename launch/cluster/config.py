@@ -31,7 +31,7 @@ from typing import ClassVar, Literal, Sequence
 
 from pydantic import Field
 
-from launch.config import ConfigError, Section, apply_flags, build, parse_overrides, read_yaml, render_help
+from common.config import ConfigError, Section, apply_flags, build, parse_overrides, read_yaml, render_help
 from launch.config import tie_addresses as _tie
 from launch.openrlhf.flags import LEGACY
 

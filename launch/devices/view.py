@@ -18,7 +18,7 @@ from launch.recovery import EXIT_CODES
 def device_plan(run, nodes=None):
     """The run's device plan on `nodes` (None: this machine's, launch/devices/gpus.py `local_gpus`); a
     layout that cannot fit is a `ConfigError` with the numbers."""
-    from launch.config import ConfigError
+    from common.config import ConfigError
 
     try:
         return plan_run(run, nodes)
@@ -43,7 +43,7 @@ def print_plan(run, prog: str, launcher: str = "local", nodes=None,
     """`--plan`: the device plan as a table, then what each of `launcher`'s role processes gets
     (`environment(plan, specs)`, which may refuse with a `ConfigError`; default: launch.local's);
     0, or the config error code with the numbers when the run does not fit."""
-    from launch.config import ConfigError
+    from common.config import ConfigError
     from launch.roles import RestartPolicy, plan
 
     try:

@@ -24,7 +24,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from common.datasets import BadRow, DatasetError, chat_messages, iter_rows, short_repr
+from common.datasets import BadRow, DatasetError, chat_messages, iter_rows
+from common.wire import short
 
 
 @dataclass
@@ -78,7 +79,7 @@ class DataStats:
 
 def _need(row: Any, key: str) -> Any:
     if not isinstance(row, dict):
-        raise BadRow(f"a row must be a JSON object, got {short_repr(row)}")
+        raise BadRow(f"a row must be a JSON object, got {short(row)}")
     if key not in row or row[key] is None:
         raise BadRow(f"missing key {key!r} (keys: {sorted(row)})")
     return row[key]
@@ -92,12 +93,12 @@ def sft_conversation(row: Any, cfg) -> tuple[list[dict], bool]:
             raise BadRow(f"{cfg.messages_key!r} has no assistant message to train on")
         return msgs, True
     if not isinstance(row, dict) or cfg.prompt_key not in row and cfg.response_key not in row:
-        keys = sorted(row) if isinstance(row, dict) else short_repr(row)
+        keys = sorted(row) if isinstance(row, dict) else short(row)
         raise BadRow(f"has neither {cfg.prompt_key!r}/{cfg.response_key!r} nor {cfg.messages_key!r} (keys: {keys})")
     prompt = _need(row, cfg.prompt_key)
     response = _need(row, cfg.response_key)
     if not isinstance(response, str) or not response:
-        raise BadRow(f"{cfg.response_key!r} must be a non-empty string, got {short_repr(response)}")
+        raise BadRow(f"{cfg.response_key!r} must be a non-empty string, got {short(response)}")
     msgs = chat_messages(prompt, cfg.prompt_key) if prompt != "" else []
     return msgs + [{"role": "assistant", "content": response}], False
 
@@ -123,7 +124,7 @@ def pair_conversations(row: Any, cfg) -> tuple[list[dict], list[dict], float]:
     if key and row.get(key) is not None:
         m = row[key]
         if isinstance(m, bool) or not isinstance(m, (int, float)):
-            raise BadRow(f"{key!r} must be a number, got {short_repr(m)}")
+            raise BadRow(f"{key!r} must be a number, got {short(m)}")
         margin = float(m)
     return out[0], out[1], margin
 

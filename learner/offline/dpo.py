@@ -18,6 +18,7 @@ policy with its adapter switched off (the frozen base).
 from __future__ import annotations
 
 import gc
+import threading
 
 import torch
 import torch.distributed as dist
@@ -25,9 +26,8 @@ import torch.nn.functional as F
 
 from learner.engine import load_trainable_lm
 from learner.lora import adapter_disabled
-from learner.metrics import say
 from learner.modeling import token_logprobs
-from learner.offline.loop import Data, Trainer, pad_batch, run_trainer
+from learner.offline.loop import Data, Trainer, logger, pad_batch, run_trainer
 from learner.offline.config import DPOConfig
 
 
@@ -50,9 +50,16 @@ def dpo_loss(policy_chosen: torch.Tensor, policy_rejected: torch.Tensor, ref_cho
     return losses, chosen_rewards, rejected_rewards
 
 
-def run(cfg: DPOConfig) -> dict:
-    """Train, evaluate, save to cfg.save_path; returns the summary (eval_start, eval_end, train_last, data)."""
-    return run_trainer(cfg, "pairs", make_trainer)
+def run(cfg: DPOConfig, stop: threading.Event | None = None) -> int:
+    """The trainer's role (`python -m launch.dpo`): `train`; the exit code."""
+    train(cfg, stop)
+    return 0
+
+
+def train(cfg: DPOConfig, stop: threading.Event | None = None) -> dict:
+    """Train (until `stop` is set, if it is), evaluate, save to cfg.save_path; returns the summary
+    (eval_start, eval_end, train_last, data)."""
+    return run_trainer(cfg, "pairs", make_trainer, stop=stop)
 
 
 def make_trainer(cfg: DPOConfig, tok, data: Data, rank: int, world: int, device: torch.device) -> Trainer:
@@ -84,7 +91,8 @@ def make_trainer(cfg: DPOConfig, tok, data: Data, rank: int, world: int, device:
         ref_model = None
         gc.collect()
         if rank == 0:
-            say("dpo", f"reference log-probs of {len(train_set) + len(held)} pairs computed; reference model freed")
+            logger(cfg).info(f"reference log-probs of {len(train_set) + len(held)} pairs computed; "
+                             "reference model freed")
 
     def ref_logps(engine, split, pairs, idx):
         if base_is_ref:

@@ -26,7 +26,9 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import math
+import threading
 import time
 from collections import defaultdict
 from contextlib import ExitStack, closing
@@ -37,9 +39,9 @@ import torch
 
 from learner.checkpoint import restore_latest, save_checkpoint, save_hf
 from learner.offline.datasets import DataStats, Encoded, load_splits, report
-from learner.engine import all_reduce_sum, build_engine, grad_norm, process_group
+from learner.engine import all_reduce_sum, build_engine, grad_norm, process_group, stopped
 from learner.lora import is_lora, save_adapter
-from learner.metrics import MetricsWriter, reduce_across_ranks, say
+from learner.metrics import MetricsWriter, reduce_across_ranks
 from learner.offline.config import OfflineConfig
 
 
@@ -51,10 +53,12 @@ class SetupError(ValueError):
 # set-up
 
 
-def run_trainer(cfg: OfflineConfig, kind: str, make_trainer: Callable[..., "Trainer"], keep: str = "head") -> dict:
-    """An offline trainer's `run`: check the config, join the process group, load the tokenizer and
+def run_trainer(cfg: OfflineConfig, kind: str, make_trainer: Callable[..., "Trainer"], keep: str = "head",
+                stop: threading.Event | None = None) -> dict:
+    """An offline trainer's `train`: check the config, join the process group, load the tokenizer and
     the `kind` examples ("sft" or "pairs", truncated keeping their `keep`), then
-    `make_trainer(cfg, tokenizer, data, rank, world, device) -> Trainer` and `fit`; returns the summary."""
+    `make_trainer(cfg, tokenizer, data, rank, world, device) -> Trainer` and `fit` (until `stop` is
+    set, if it is); returns the summary."""
     cfg.validate()
     if cfg.num_threads:
         torch.set_num_threads(cfg.num_threads)
@@ -63,7 +67,12 @@ def run_trainer(cfg: OfflineConfig, kind: str, make_trainer: Callable[..., "Trai
         tokenizer = load_tokenizer(cfg.model_path)
         data = load_data(cfg, tokenizer, kind, rank, keep)
         trainer = make_trainer(cfg, tokenizer, data, rank, world, device)
-        return fit(cfg, trainer, data, rank, world, device)
+        return fit(cfg, trainer, data, rank, world, device, stop)
+
+
+def logger(cfg: OfflineConfig) -> logging.Logger:
+    """The trainer's log: `conveyor.sft`, `conveyor.dpo` or `conveyor.rm`."""
+    return logging.getLogger(f"conveyor.{cfg.kind}")
 
 
 def load_tokenizer(path: str):
@@ -88,7 +97,7 @@ def load_data(cfg: OfflineConfig, tokenizer, kind: str, rank: int, keep: str = "
     data = Data(*load_splits(tokenizer, cfg, kind, keep))
     if rank == 0:
         report(data.stats)
-        say(cfg.kind, f"{len(data.train)} training and {len(data.held)} held-out examples")
+        logger(cfg).info(f"{len(data.train)} training and {len(data.held)} held-out examples")
     return data
 
 
@@ -162,9 +171,11 @@ class Trainer:
     number of examples, i.e. pairs for DPO and RM)."""
 
 
-def fit(cfg: OfflineConfig, trainer: Trainer, data: Data, rank: int, world: int, device: torch.device) -> dict:
+def fit(cfg: OfflineConfig, trainer: Trainer, data: Data, rank: int, world: int, device: torch.device,
+        stop: threading.Event | None = None) -> dict:
     """Train, evaluate and save; returns a summary (also written to <run_dir>/summary.json by rank 0).
-    However it ends, the metrics writer is closed."""
+    `stop` set (on any rank: the ranks agree between steps) ends the training early, then evaluates
+    and saves the same way. However it ends, the metrics writer is closed."""
     save_path, run_dir = cfg.output_dirs()
     n_train = len(data.train)
     per_epoch = steps_per_epoch(cfg, n_train, world)
@@ -178,13 +189,14 @@ def fit(cfg: OfflineConfig, trainer: Trainer, data: Data, rank: int, world: int,
         step, ckpt = restore_latest(run_dir, engine, ranks_key="the number of ranks",
                                     zero_key=f"{cfg.kind}.zero_stage")
     if ckpt is not None and rank == 0:
-        say(cfg.kind, f"resumed from {ckpt} at step {step}")
+        logger(cfg).info(f"resumed from {ckpt} at step {step}")
 
     with ExitStack() as opened:
         writer = opened.enter_context(closing(MetricsWriter.for_run(run_dir, cfg))) if rank == 0 else None
         if rank == 0:
-            say(cfg.kind, f"{world} rank(s), ZeRO-{cfg.zero_stage}, {cfg.dtype}: {cfg.epochs} epoch(s) x {per_epoch} "
-                          f"steps of {cfg.batch_size} ({grad_accum} micro-batch(es) of {cfg.micro_batch_size} per rank)")
+            logger(cfg).info(f"{world} rank(s), ZeRO-{cfg.zero_stage}, {cfg.dtype}: {cfg.epochs} epoch(s) x "
+                             f"{per_epoch} steps of {cfg.batch_size} ({grad_accum} micro-batch(es) of "
+                             f"{cfg.micro_batch_size} per rank)")
 
         def evaluate(at: int) -> dict[str, float]:
             if trainer.eval_fn is None or not data.held:
@@ -192,7 +204,7 @@ def fit(cfg: OfflineConfig, trainer: Trainer, data: Data, rank: int, world: int,
             out = run_eval(cfg, trainer, engine, len(data.held), rank, world, device)
             if rank == 0:
                 writer.log(at, out)
-                say(cfg.kind, f"step {at}: " + " ".join(f"{k} {v:.4f}" for k, v in sorted(out.items())))
+                logger(cfg).info(f"step {at}: " + " ".join(f"{k} {v:.4f}" for k, v in sorted(out.items())))
             return out
 
         summary: dict = {"kind": cfg.kind, "data": [dataclasses.asdict(s) for s in data.stats], "steps": total,
@@ -210,6 +222,8 @@ def fit(cfg: OfflineConfig, trainer: Trainer, data: Data, rank: int, world: int,
             for s in range(per_epoch):
                 if epoch * per_epoch + s < step:
                     continue  # done before the checkpoint we resumed from
+                if stopped(stop, world, device):
+                    break  # (and at the first step of every epoch left)
                 t0 = time.monotonic()
                 metrics = optimizer_step(cfg, trainer, engine, order[s * cfg.batch_size:(s + 1) * cfg.batch_size],
                                          rank, world, grad_accum, device)
@@ -221,7 +235,7 @@ def fit(cfg: OfflineConfig, trainer: Trainer, data: Data, rank: int, world: int,
                 if rank == 0 and (step % cfg.log_every == 0 or step == total):
                     writer.log(step, metrics)
                     loss_keys = [k for k in sorted(metrics) if k.startswith(("loss/", "rewards/", "rm/"))][:4]
-                    say(cfg.kind, f"step {step}/{total}: " + " ".join(f"{k} {metrics[k]:.4f}" for k in loss_keys))
+                    logger(cfg).info(f"step {step}/{total}: " + " ".join(f"{k} {metrics[k]:.4f}" for k in loss_keys))
                 if cfg.eval_every and step % cfg.eval_every == 0 and step != total:
                     evaluate(step)
                 if cfg.save_every and step % cfg.save_every == 0:
@@ -241,7 +255,7 @@ def fit(cfg: OfflineConfig, trainer: Trainer, data: Data, rank: int, world: int,
         if rank == 0:
             Path(run_dir).mkdir(parents=True, exist_ok=True)
             (Path(run_dir) / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
-            say(cfg.kind, f"saved the trained model to {save_path}")
+            logger(cfg).info(f"saved the trained model to {save_path}")
     torch.distributed.barrier()
     return summary
 

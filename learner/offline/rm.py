@@ -12,6 +12,8 @@ kind (actors.rewards.RewardModel) reads it; the saved folder has num_labels=1 an
 
 from __future__ import annotations
 
+import threading
+
 import torch
 import torch.nn.functional as F
 
@@ -44,10 +46,17 @@ def load_reward_model(path: str, pad_token_id: int, dtype: torch.dtype = torch.f
     return model
 
 
-def run(cfg: RMConfig) -> dict:
-    """Train, evaluate, save to cfg.save_path; returns the summary (eval_start, eval_end, train_last, data)."""
+def run(cfg: RMConfig, stop: threading.Event | None = None) -> int:
+    """The trainer's role (`python -m launch.rm`): `train`; the exit code."""
+    train(cfg, stop)
+    return 0
+
+
+def train(cfg: RMConfig, stop: threading.Event | None = None) -> dict:
+    """Train (until `stop` is set, if it is), evaluate, save to cfg.save_path; returns the summary
+    (eval_start, eval_end, train_last, data)."""
     # keep the tail of a long sequence, as the scorer does (the response is what is judged)
-    return run_trainer(cfg, "pairs", make_trainer, keep="tail")
+    return run_trainer(cfg, "pairs", make_trainer, keep="tail", stop=stop)
 
 
 def make_trainer(cfg: RMConfig, tok, data: Data, rank: int, world: int, device: torch.device) -> Trainer:

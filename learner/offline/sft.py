@@ -8,6 +8,8 @@ the held-out loss is the same mean over the held-out set.
 
 from __future__ import annotations
 
+import threading
+
 import torch
 
 from learner.engine import load_trainable_lm
@@ -21,9 +23,16 @@ def sft_loss(logprobs: torch.Tensor, target: torch.Tensor, denom: float | torch.
     return -(logprobs * target.to(logprobs.dtype)).sum() / denom
 
 
-def run(cfg: SFTConfig) -> dict:
-    """Train, evaluate, save to cfg.save_path; returns the summary (eval_start, eval_end, train_last, data)."""
-    return run_trainer(cfg, "sft", make_trainer)
+def run(cfg: SFTConfig, stop: threading.Event | None = None) -> int:
+    """The trainer's role (`python -m launch.sft`): `train`; the exit code."""
+    train(cfg, stop)
+    return 0
+
+
+def train(cfg: SFTConfig, stop: threading.Event | None = None) -> dict:
+    """Train (until `stop` is set, if it is), evaluate, save to cfg.save_path; returns the summary
+    (eval_start, eval_end, train_last, data)."""
+    return run_trainer(cfg, "sft", make_trainer, stop=stop)
 
 
 def make_trainer(cfg: SFTConfig, tok, data: Data, rank: int, world: int, device: torch.device) -> Trainer:

@@ -188,7 +188,7 @@ def test_stop_strings_end_a_completion_on_the_token_that_completes_them(vllm_eng
 
 def test_generator_config_errors_quote_the_values():
     from actors.config import GeneratorConfig
-    from launch.config import ConfigError, load_section
+    from common.config import ConfigError, load_section
 
     cfg = load_section(GeneratorConfig, "generator", None, ["--generator.model", "/m", "--generator.stop_token_ids", "2,7"])
     assert cfg.stop_token_ids == [2, 7] and cfg.engine == "vllm"

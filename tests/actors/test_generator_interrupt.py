@@ -254,7 +254,7 @@ def test_finish_mode_never_polls_mid_batch():
 
 def test_async_engine_needs_vllm():
     from actors.config import GeneratorConfig
-    from launch.config import ConfigError, load_section
+    from common.config import ConfigError, load_section
 
     args = ["--generator.model", "/m", "--generator.async_engine", "true"]
     cfg = load_section(GeneratorConfig, "generator", None, args)

@@ -116,7 +116,7 @@ def test_a_new_turn_is_the_template_text_after_the_models_end_of_turn():
 
 
 def test_agent_config_errors_quote_the_key_and_value(tmp_path):
-    from launch.config import ConfigError, load_section
+    from common.config import ConfigError, load_section
 
     with pytest.raises(ConfigError) as e:
         load_section(GeneratorConfig, "generator", None, ["--generator.model", "/m", "--generator.env", "guess",

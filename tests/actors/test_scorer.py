@@ -398,7 +398,7 @@ def test_scorer_process_scores_for_the_buffer(tmp_path, tiny_model_dir):
 
 
 def test_scorer_config_errors_quote_the_values():
-    from launch.config import ConfigError, load_section
+    from common.config import ConfigError, load_section
 
     with pytest.raises(ConfigError) as e:
         load_section(ScorerConfig, "scorer", None, ["--scorer.kinds", "reward_fn,remote,judge",

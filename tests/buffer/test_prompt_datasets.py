@@ -201,7 +201,7 @@ def test_prompts_from_config_reads_the_buffer_keys_and_another_dataset_for_evalu
 
 
 def test_run_config_accepts_folders_and_lists_and_names_a_missing_dataset(tmp_path):
-    from launch.config import ConfigError
+    from common.config import ConfigError
     from launch.run_config import load_run_config
 
     demo, model = ROOT / "examples" / "demo.yaml", tmp_path / "model"

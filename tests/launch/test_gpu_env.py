@@ -63,9 +63,9 @@ print(json.dumps({{"calls": calls, "gmu": kw["gpu_memory_utilization"], "cuda": 
 def test_role_config_turns_on_the_nvml_cuda_check_before_heavy_imports():
     got = _run(f"""
 import json, os, sys
-from launch.config import role_main_config
+from launch.entry import role_config
 from weight_sync.config import WeightSyncConfig
-role_main_config(WeightSyncConfig, "weight_sync", [], "doc")
+role_config(WeightSyncConfig, "weight_sync", [])
 print(json.dumps({{"env": os.environ.get("{NVML_CHECK}"), "torch": "torch" in sys.modules}}))
 """)
     assert got == {"env": "1", "torch": False}
@@ -74,9 +74,9 @@ print(json.dumps({{"env": os.environ.get("{NVML_CHECK}"), "torch": "torch" in sy
     got = _run(f"""
 import json, os
 os.environ["{NVML_CHECK}"] = "0"
-from launch.config import role_main_config
+from launch.entry import role_config
 from weight_sync.config import WeightSyncConfig
-role_main_config(WeightSyncConfig, "weight_sync", [], "doc")
+role_config(WeightSyncConfig, "weight_sync", [])
 print(json.dumps({{"env": os.environ.get("{NVML_CHECK}")}}))
 """, env)
     assert got == {"env": "0"}

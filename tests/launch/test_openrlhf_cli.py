@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from launch.config import ConfigError
+from common.config import ConfigError
 from tests.helpers.cluster import QUICK_START, SHRINK, run_quick_start
 from tests.helpers.procs import subprocess_env
 

@@ -56,7 +56,7 @@ SMALL = ["--ray.buffer.num_cpus", "0.25", "--ray.weight_sync.num_cpus", "0.25", 
 
 
 def test_ray_section_is_read_apart_from_the_run_config(tmp_path):
-    from launch.config import ConfigError
+    from common.config import ConfigError
     from launch.cluster.config import split_ray_section
 
     cfg = tmp_path / "run.yaml"

@@ -67,14 +67,14 @@ def test_lora_run_saves_peft_adapters_and_resumes_as_an_uninterrupted_run(tiny_m
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    from learner.trainer import run
+    from learner.trainer import train
 
     steps = {s: make_group(2 * s, 4, [1.0, 0.0, 0.5, 0.2], seed=s) + make_group(2 * s + 1, 4, [0.0, 1.0, 1.0, 0.3], seed=s)
              for s in range(3)}
     whole, cut = tmp_path / "whole", tmp_path / "cut"
-    run(lora_config(tiny_model_dir, whole, total_steps=3, zero_stage=2), source=ListSource(steps))
-    run(lora_config(tiny_model_dir, cut, total_steps=2, save_every=1, zero_stage=2), source=ListSource(steps))
-    run(lora_config(tiny_model_dir, cut, total_steps=3, save_every=1, zero_stage=2, resume=True),
+    train(lora_config(tiny_model_dir, whole, total_steps=3, zero_stage=2), source=ListSource(steps))
+    train(lora_config(tiny_model_dir, cut, total_steps=2, save_every=1, zero_stage=2), source=ListSource(steps))
+    train(lora_config(tiny_model_dir, cut, total_steps=3, save_every=1, zero_stage=2, resume=True),
         source=ListSource(steps))
 
     ckpt = cut / "checkpoints" / "step_3"
@@ -115,12 +115,12 @@ def test_adapter_rounds_make_vllm_serve_the_merged_checkpoint(tiny_model_dir, tm
 def test_lora_kl_reference_comes_from_the_base_inside_the_learner(tiny_model_dir, tmp_path):
     """With kl_coef > 0 and rollouts that carry no reference log-probs, a LoRA learner takes them from
     its own base (adapter off): the KL is 0 while the adapter is still zero, and grows as it trains."""
-    from learner.trainer import run
+    from learner.trainer import train
 
     steps = {s: make_group(2 * s, 4, [1.0, 0.0, 0.5, 0.2], seed=s) + make_group(2 * s + 1, 4, [0.0, 1.0, 1.0, 0.3], seed=s)
              for s in range(3)}
     run_dir = tmp_path / "kl"
-    run(lora_config(tiny_model_dir, run_dir, total_steps=3, zero_stage=2, kl_coef=0.1, packing=True),
+    train(lora_config(tiny_model_dir, run_dir, total_steps=3, zero_stage=2, kl_coef=0.1, packing=True),
         source=ListSource(steps))
     rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     kl = [r["policy/kl_to_ref"] for r in rows]

@@ -25,7 +25,7 @@ DRIVER = r'''
 import os, signal, sys
 from tests.helpers.learner import ListSource, make_group
 from learner.config import LearnerConfig
-from learner.trainer import run
+from learner.trainer import train
 
 model_dir, run_dir, kill_at, resume = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4] == "1"
 # 4 steps x 2 groups of 4; random behaviour log-probs (so w != 1 and TIS caps some), mixed rewards,
@@ -47,7 +47,7 @@ cfg = LearnerConfig(model_path=model_dir, run_dir=run_dir, total_steps=4, save_e
                     ppo_epochs=2, num_mini_batches=2, gradient_accumulation_steps=2, zero_stage=2,
                     behav_correction="tis", behav_tis_cap=2.0, tensorboard=False)
 cfg.validate()
-run(cfg, source=KillingSource(steps))
+train(cfg, source=KillingSource(steps))
 '''
 
 

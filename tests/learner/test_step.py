@@ -62,7 +62,7 @@ def test_config_errors_quote_bad_values():
 def test_one_step_with_positive_advantages_raises_logprobs(tiny_model_dir, tmp_path):
     from learner.metrics import read_metrics
     from learner.modeling import completion_logprobs, load_causal_lm
-    from learner.trainer import run
+    from learner.trainer import train
 
     model = load_causal_lm(str(tiny_model_dir))
     # two groups of 4, every reward 1: with `reinforce` (A = reward) every advantage is +1
@@ -76,7 +76,7 @@ def test_one_step_with_positive_advantages_raises_logprobs(tiny_model_dir, tmp_p
                         tensorboard=True)
     cfg.validate()
     source = ListSource({0: scored})
-    last = run(cfg, source=source)
+    last = train(cfg, source=source)
 
     after_model = load_causal_lm(str(tmp_path / "run" / "checkpoints" / "step_1"))  # the HF checkpoint loads
     after = torch.stack([lp.sum() for lp in completion_logprobs(after_model, prompts, completions)])
@@ -102,14 +102,14 @@ def test_ppo_critic_fits_the_returns(tiny_model_dir, tmp_path):
     """PPO with GAE: the critic (AutoModel backbone + value head) trains on the same rank; fed the
     same batch three times, its clipped value loss falls."""
     from learner.metrics import read_metrics
-    from learner.trainer import run
+    from learner.trainer import train
 
     scored = make_group(0, 4, [1.0, 0.0, 0.5, 0.2]) + make_group(1, 4, [0.0, 0.3, 1.0, 1.0])
     cfg = LearnerConfig(model_path=str(tiny_model_dir), run_dir=str(tmp_path / "run"), total_steps=3,
                         advantage_estimator="gae", gae_lambda=0.95, critic_lr=3e-3, value_clip_eps=10.0,
                         lr=1e-4, zero_stage=2, tensorboard=False)
     cfg.validate()
-    run(cfg, source=ListSource({0: scored, 1: scored, 2: scored}))
+    train(cfg, source=ListSource({0: scored, 1: scored, 2: scored}))
     rows = read_metrics(tmp_path / "run")
     values = [r["loss/value"] for r in rows]
     assert len(values) == 3 and values[2] < values[0], values
@@ -145,12 +145,12 @@ def test_rank0_publishes_full_weights_every_sync(tiny_model_dir, tmp_path, publi
     whole and published in HF naming, as version 1 then 2; version 2 is what the checkpoint holds."""
     from safetensors.torch import load_file
 
-    from learner.trainer import run
+    from learner.trainer import train
 
     scored = make_group(0, 4, [1.0, 0.0, 0.5, 0.2]) + make_group(1, 4, [0.0, 0.3, 1.0, 1.0])
     cfg = LearnerConfig(model_path=str(tiny_model_dir), run_dir=str(tmp_path / "run"), total_steps=2, lr=1e-3,
                         zero_stage=3, weight_sync_port=5999, sync_every=1, tensorboard=False)
-    run(cfg, source=ListSource({0: scored, 1: scored}))
+    train(cfg, source=ListSource({0: scored, 1: scored}))
 
     assert [v for v, _ in published] == [1, 2, "closed"]
     initial = load_file(str(tiny_model_dir / "model.safetensors"))
@@ -166,14 +166,14 @@ def test_a_failing_step_still_closes_what_the_loop_opened(tiny_model_dir, tmp_pa
     """kl_coef > 0 with rollouts that carry no reference log-probs fails step 0; the sender is closed
     anyway, the ledger and the metrics file are closed and hold nothing of the failed step."""
     from learner.metrics import read_metrics
-    from learner.trainer import run
+    from learner.trainer import train
 
     scored = make_group(0, 4, [1.0, 0.0, 0.5, 0.2]) + make_group(1, 4, [0.0, 0.3, 1.0, 1.0])
     cfg = LearnerConfig(model_path=str(tiny_model_dir), run_dir=str(tmp_path / "run"), total_steps=2, kl_coef=0.1,
                         zero_stage=0, weight_sync_port=5999, tensorboard=False)
     source = ListSource({0: scored, 1: scored})
     with pytest.raises(ValueError, match="kl_coef=0.1 needs ref_logprobs"):
-        run(cfg, source=source)
+        train(cfg, source=source)
     assert published == [("closed", {})]  # nothing published (fresh start, no step done), but closed
     assert read_metrics(tmp_path / "run") == [] and (tmp_path / "run" / "ledger.jsonl").read_text() == ""
     assert source.versions == [0]  # told the start, never a version that was not trained
@@ -285,14 +285,14 @@ def test_a_packed_step_trains_policy_and_critic(tiny_model_dir, tmp_path):
 
     from safetensors.torch import load_file
 
-    from learner.trainer import run
+    from learner.trainer import train
 
     scored = (make_group(0, 4, [1.0, 0.0, 0.5, 0.2], truncated=(3,), completion_len=(1, 41))
               + make_group(1, 4, [0.0, 0.3, 1.0, 1.0], completion_len=(1, 41)))
     cfg = LearnerConfig(model_path=str(tiny_model_dir), run_dir=str(tmp_path / "run"), total_steps=1, lr=1e-3,
                         advantage_estimator="gae", critic_lr=1e-3, packing=True, overlong_filter=True,
                         gradient_accumulation_steps=2, zero_stage=2, tensorboard=False)
-    last = run(cfg, source=ListSource({0: scored}))
+    last = train(cfg, source=ListSource({0: scored}))
     assert all(math.isfinite(last[k]) for k in ("loss/policy", "loss/value", "optim/grad_norm"))
     assert last["optim/grad_norm"] > 0 and last["optim/critic_grad_norm"] > 0
     assert last["overlong/truncated_frac"] == 0.125 and last["overlong/filtered_frac"] == 0.125

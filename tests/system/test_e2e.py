@@ -267,7 +267,7 @@ def test_openrlhf_flags_map_to_sections(tmp_path):
 
 
 def test_openrlhf_recipe_flags_old_and_dotted_map_to_the_same_keys(tmp_path):
-    from launch.config import ConfigError
+    from common.config import ConfigError
     from launch.run_config import load_run_config
 
     prompts = tmp_path / "p.jsonl"

@@ -52,7 +52,7 @@ needs_namespaces = pytest.mark.skipif(bool(WHY), reason=WHY or "")
 def test_custom_resources_pin_roles_and_curve_auto_follows_the_placed_services(monkeypatch):
     """No cluster: `ray.<role>.resources` go into the role's bundle; `run.curve auto` is decided by
     the IPs the services were placed on (on unless all are loopback), `on`/`off` stay."""
-    from launch.config import ConfigError
+    from common.config import ConfigError
     from launch.cluster.config import decide_curve, load
 
     monkeypatch.chdir(ROOT)

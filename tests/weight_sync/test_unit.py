@@ -13,7 +13,7 @@ import pytest
 import torch
 import zmq
 
-from launch.config import ConfigError, load_section
+from common.config import ConfigError, load_section
 from weight_sync import buckets as bk
 from weight_sync.adapter import merge_adapter
 from weight_sync.client import GeneratorSyncClient, WeightSyncError, ask

@@ -115,7 +115,7 @@ def test_sft_drives_the_loss_down_and_reproduces_a_memorised_answer(tmp_path, ti
     cfg = SFTConfig(**common(tmp_path, tiny_model_dir, "sft", dataset=str(data), eval_dataset=str(data), epochs=60,
                              batch_size=8, micro_batch_size=4, lr=3e-3, lr_schedule="constant", packing=packing,
                              log_every=5))
-    out = sft.run(cfg)
+    out = sft.train(cfg)
     assert out["steps_run"] == 60
     losses = [r["loss/sft"] for r in read_metrics(tmp_path / "sft") if "loss/sft" in r]
     assert losses[0] > 2.0 and losses[-1] < 0.1 * losses[0], losses
@@ -142,7 +142,7 @@ def test_sft_with_lora_trains_an_adapter_that_peft_loads(tmp_path, tiny_model_di
     data = write_jsonl(rows, tmp_path / "memory.jsonl")
     cfg = SFTConfig(**common(tmp_path, tiny_model_dir, "sft", dataset=str(data), epochs=10, batch_size=8,
                              micro_batch_size=8, lr=1e-2, lora_rank=8, lora_alpha=16, save_every=5))
-    out = sft.run(cfg)
+    out = sft.train(cfg)
     losses = [r["loss/sft"] for r in read_metrics(tmp_path / "sft") if "loss/sft" in r]
     assert out["steps_run"] == 10 and losses[-1] < 0.7 * losses[0], losses
     ids = torch.tensor([[1, 5, 9, 12, 7, 3, 20]])
@@ -162,7 +162,7 @@ def test_dpo_raises_heldout_preference_accuracy(tmp_path, arithmetic_data):
     cfg = DPOConfig(**common(tmp_path, arithmetic_data["model"], "dpo", dataset=str(arithmetic_data["train"]),
                              eval_dataset=str(arithmetic_data["eval"]), epochs=2, batch_size=32, micro_batch_size=32,
                              lr=1e-3, beta=0.1, log_every=10))
-    out = dpo.run(cfg)
+    out = dpo.train(cfg)
     # policy = reference at the start: every implicit reward is 0, the loss log 2, no pair is won
     assert out["eval_start"]["eval/loss"] == pytest.approx(0.693147, abs=1e-5)
     assert out["eval_start"]["eval/accuracy"] == 0.0
@@ -184,7 +184,7 @@ def test_ipo_on_the_fly_reference_starts_at_the_hand_worked_loss(tmp_path, arith
                              eval_dataset=str(arithmetic_data["eval"]), max_samples=64, batch_size=32,
                              micro_batch_size=16, lr=1e-4, beta=0.5, loss="ipo", nll_coef=0.5,
                              ref_mode="on_the_fly"))
-    out = dpo.run(cfg)
+    out = dpo.train(cfg)
     assert out["eval_start"]["eval/loss"] == pytest.approx(1.0, abs=1e-6)
     assert out["eval_start"]["eval/margin"] == 0.0 and out["eval_start"]["eval/nll"] > 0
     assert out["steps_run"] == 2 and out["eval_end"]["eval/margin"] != 0.0
@@ -201,7 +201,7 @@ def test_reward_model_learns_heldout_pairs_and_the_scorer_loads_it(tmp_path, ari
     cfg = RMConfig(**common(tmp_path, arithmetic_data["model"], "rm", dataset=str(arithmetic_data["train"]),
                             eval_dataset=str(arithmetic_data["eval"]), epochs=2, batch_size=32, micro_batch_size=32,
                             lr=3e-4, log_every=10))
-    out = rm.run(cfg)
+    out = rm.train(cfg)
     assert out["eval_end"]["eval/accuracy"] > 0.8, out["eval_end"]
     assert out["eval_end"]["eval/loss"] < out["eval_start"]["eval/loss"]
     config = AutoConfig.from_pretrained(tmp_path / "rm")
@@ -228,26 +228,26 @@ def test_reward_model_learns_heldout_pairs_and_the_scorer_loads_it(tmp_path, ari
 
 
 def test_openrlhf_dpo_flags_map_onto_the_config():
-    from launch.config import ConfigError
+    from common.config import ConfigError
     from launch.dpo import DPO_ALIASES
-    from launch.sft import parse_offline
+    from launch.entry import role_config
 
     argv = ["--pretrain", "/m", "--dataset", "/d.jsonl", "--beta", "0.2", "--max_len", "256",
             "--micro_train_batch_size", "2", "--train_batch_size", "16", "--learning_rate", "5e-7", "--bf16",
             "--save_path", "/out", "--save_steps", "-1", "--logging_steps", "3", "--max_epochs", "2", "--ipo",
             "--label_smoothing", "0.1", "--nll_loss_coef", "0.3", "--flash_attn"]
     with pytest.raises(ConfigError, match="label_smoothing=0.1 applies to the sigmoid loss"):
-        parse_offline(DPOConfig, "dpo", DPO_ALIASES, list(argv))
-    cfg = parse_offline(DPOConfig, "dpo", DPO_ALIASES, [a for a in argv if a != "--ipo"])
+        role_config(DPOConfig, "dpo", list(argv), DPO_ALIASES)
+    cfg = role_config(DPOConfig, "dpo", [a for a in argv if a != "--ipo"], DPO_ALIASES)
     assert (cfg.model_path, cfg.dataset, cfg.beta, cfg.max_len) == ("/m", "/d.jsonl", 0.2, 256)
     assert (cfg.micro_batch_size, cfg.batch_size, cfg.lr, cfg.dtype) == (2, 16, 5e-7, "bfloat16")
     assert (cfg.save_path, cfg.save_every, cfg.log_every, cfg.epochs) == ("/out", 0, 3, 2)
     assert (cfg.label_smoothing, cfg.nll_coef, cfg.loss) == (0.1, 0.3, "sigmoid")
     with pytest.raises(ConfigError, match=r"unknown flag --learning_rat \(did you mean --learning_rate\?\)"):
-        parse_offline(DPOConfig, "dpo", DPO_ALIASES, ["--learning_rat", "1e-6"])
+        role_config(DPOConfig, "dpo", ["--learning_rat", "1e-6"], DPO_ALIASES)
     with pytest.raises(ConfigError, match=r"dpo.beta=-1.0 must be > 0"):
-        parse_offline(DPOConfig, "dpo", DPO_ALIASES, ["--pretrain", "/m", "--dataset", "/d", "--save_path", "/o",
-                                                      "--dpo.beta", "-1"])
+        role_config(DPOConfig, "dpo", ["--pretrain", "/m", "--dataset", "/d", "--save_path", "/o", "--dpo.beta", "-1"],
+                    DPO_ALIASES)
 
 
 def test_launch_help_answers_without_heavy_imports():
@@ -293,7 +293,7 @@ def test_two_ranks_zero3_match_one_rank(tmp_path, tiny_model_dir):
     held = write_jsonl(rows[:5], tmp_path / "held.jsonl")  # 5 pairs: one rank evaluates a padding row
     args = dict(dataset=str(data), eval_dataset=str(held), batch_size=4, micro_batch_size=1, lr=1e-3, epochs=2,
                 beta=0.5)
-    one = dpo.run(DPOConfig(**common(tmp_path, tiny_model_dir, "one", **args)))
+    one = dpo.train(DPOConfig(**common(tmp_path, tiny_model_dir, "one", **args)))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port_block(1)),
            "-m", "launch.dpo", "--pretrain", str(tiny_model_dir), "--dataset", str(data), "--eval_dataset", str(held),
            "--train_batch_size", "4", "--micro_train_batch_size", "1", "--learning_rate", "1e-3", "--max_epochs", "2",
