@@ -31,14 +31,14 @@ import signal
 import socket
 import threading
 import time
-from concurrent.futures import wait
 from collections import Counter
+from concurrent.futures import wait
 from dataclasses import dataclass, field, replace
 
 import numpy as np
 
-from actors.config import GeneratorConfig
 from actors.agents.sessions import load_agent
+from actors.config import GeneratorConfig
 from actors.engines import build_engine
 from actors.engines.base import Completion, Engine, Sampling
 from actors.envs.episodes import rollout_of, run_episodes

@@ -130,9 +130,9 @@ def main() -> None:
     ap.add_argument("--out", default=str(ROOT / "runs" / "bench_chaos"))
     args = ap.parse_args()
 
-    from launch.ledger import audit
     from demo.arithmetic import make_problems, write_jsonl
     from demo.tiny_model import build_tiny_model
+    from launch.ledger import audit
 
     out = Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)

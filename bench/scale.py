@@ -61,7 +61,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from bench.transport import cpu_seconds, say  # noqa: E402 (after the path is set)
-from common.ready import ENV as READY_ENV, read_ready  # noqa: E402
+from common.ready import ENV as READY_ENV  # noqa: E402
+from common.ready import read_ready
 from launch.ports import free_port_block  # noqa: E402
 
 HOST = "127.0.0.1"

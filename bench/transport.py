@@ -62,7 +62,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from buffer.client import BufferClient  # noqa: E402 (after the path is set)
-from common.ready import ENV as READY_ENV, read_ready  # noqa: E402
+from common.ready import ENV as READY_ENV  # noqa: E402
+from common.ready import read_ready
 from launch.ports import free_port_block as free_base_port  # noqa: E402
 
 

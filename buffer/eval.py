@@ -32,8 +32,8 @@ from pathlib import Path
 
 from buffer.config import BufferConfig, EvalConfig
 from buffer.groups import RequestError
-from buffer.prompts import Prompt, prompt_group, prompts_from_config
 from buffer.messages import EvalReport, LeaseGrant, ScoredRollout, Wait
+from buffer.prompts import Prompt, prompt_group, prompts_from_config
 
 EVAL_GROUP_BASE = 1 << 40  # training group ids count from 0 and never get here
 EVAL_LEASE_BASE = 1 << 40  # nor do training lease ids

@@ -34,10 +34,34 @@ import numpy as np
 from msgspec import Meta, Struct
 
 from buffer.rollouts import (  # noqa: F401 (the field types and rollouts are part of this module's API)
-    MAX_ID, MAX_ITEMS, MAX_STR, MAX_TOKENS, Id, Ids, LogProbs, Mask, Numbers, Rank, Rollout, Scalars, ScoredRollout,
-    Seconds, Text, as_arrays, CheckedScored)
-from common.wire import GROUP_DTYPE, ProtocolError, field_decoder, short
-from common.wire import ID_DTYPE, LOGPROB_DTYPE, MASK_DTYPE, pack_array  # noqa: F401 (part of this module's API)
+    MAX_ID,
+    MAX_ITEMS,
+    MAX_STR,
+    MAX_TOKENS,
+    CheckedScored,
+    Id,
+    Ids,
+    LogProbs,
+    Mask,
+    Numbers,
+    Rank,
+    Rollout,
+    Scalars,
+    ScoredRollout,
+    Seconds,
+    Text,
+    as_arrays,
+)
+from common.wire import (  # noqa: F401 (part of this module's API)
+    GROUP_DTYPE,
+    ID_DTYPE,
+    LOGPROB_DTYPE,
+    MASK_DTYPE,
+    ProtocolError,
+    field_decoder,
+    pack_array,
+    short,
+)
 
 SCHEMA_VERSION = 1
 

@@ -36,6 +36,7 @@ import zmq
 from buffer.access import SOCKET_ROLES, Gate, refused_peers
 from buffer.config import BufferConfig, EvalConfig, endpoints
 from buffer.eval import Evaluator, eval_prompts
+from buffer.groups import RequestError, Sample
 from buffer.messages import (
     DEFAULT_LIMITS,
     TYPE_NAMES,
@@ -62,13 +63,12 @@ from buffer.messages import (
     short,
 )
 from buffer.prompts import prompts_from_config
-from buffer.groups import RequestError, Sample
 from buffer.state import BufferState
 from buffer.store import StateStore
 from common.channel import recv_frames, send_frames
-from common.zap import Guard, server_guard
 from common.guards import MemoryGuard, WarnLimiter, raise_open_files_limit, rss_bytes
 from common.ready import mark_ready
+from common.zap import Guard, server_guard
 
 log = logging.getLogger("buffer")
 

@@ -35,8 +35,8 @@ from collections import Counter, deque
 
 from buffer.config import BufferConfig
 from buffer.groups import Lease, PendingGroup, ReadyGroup, RequestError, Sample, StepBatch  # noqa: F401 (re-exported)
-from buffer.prompts import Prompt, PromptOrder, PromptsError, load_prompts, prompt_group  # noqa: F401 (PromptsError, load_prompts: re-exported)
 from buffer.messages import LeaseGrant, Wait
+from buffer.prompts import Prompt, PromptOrder, PromptsError, load_prompts, prompt_group  # noqa: F401 (PromptsError, load_prompts: re-exported)
 from buffer.rules import (
     QUIET_S,
     admission_limit,

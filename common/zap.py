@@ -18,7 +18,7 @@ from pathlib import Path
 import zmq
 from zmq.auth.thread import ThreadAuthenticator
 
-from common.curve import SERVER, KeyFolderError, read_key, curve_on, ensure_pair, keys_folder, role_of
+from common.curve import SERVER, KeyFolderError, curve_on, ensure_pair, keys_folder, read_key, role_of
 
 log = logging.getLogger("conveyor.curve")
 

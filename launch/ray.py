@@ -189,8 +189,8 @@ def run_ray(rcfg, run, config_name: str = "CONFIG", quiet: bool = False) -> int:
 
 def main(argv: list[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
-    from launch.config import help_or_usage
     from launch.cluster.config import ray_help
+    from launch.config import help_or_usage
 
     help_or_usage(argv, lambda: ray_help(__doc__))
     if argv[0] in ("scale", "status", "stop"):
@@ -217,8 +217,8 @@ def print_plan(rcfg, run) -> int:
     joined, nothing written), with what each role process reserves from Ray; 0, or 2 with the
     numbers when the run does not fit."""
     from common.config import ConfigError
-    from launch.devices.view import print_plan as show
     from launch.cluster.devices import RayDevices, offline_nodes
+    from launch.devices.view import print_plan as show
 
     nodes, notes = offline_nodes(run)
 

@@ -24,8 +24,10 @@ from typing import Any, ClassVar, Literal, Sequence
 from pydantic import Field, field_validator
 
 from common.config import ConfigError, Section, apply_flags, build, is_set, read_yaml, render_help, suggest
-from common.curve import Mode as CurveMode, is_loopback
+from common.curve import Mode as CurveMode
+from common.curve import is_loopback
 from launch.config import tie_addresses
+
 # OpenRLHF's train_ppo_ray flags (0.11.2 and 0.11's names): mapped, accepted or refused, flag by flag
 from launch.openrlhf.flags import ALIASES
 from launch.openrlhf.resolve import resolve as resolve_openrlhf

@@ -30,7 +30,6 @@ import torch.nn as nn
 
 from learner.config import LearnerConfig
 
-
 _SET_LOCAL_RANK = [False]
 
 

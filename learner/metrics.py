@@ -11,8 +11,8 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-import time
 import sys
+import time
 from pathlib import Path
 from typing import Any
 

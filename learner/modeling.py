@@ -18,7 +18,6 @@ import torch.nn.functional as F
 
 from learner.packing import PackedRows, pack_rows
 
-
 MEMORY_SHARE_ENV = "CONVEYOR_CUDA_MEMORY_FRACTION"  # set by the launcher's device plan (launch/devices/plan.py)
 
 

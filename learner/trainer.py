@@ -46,22 +46,43 @@ import torch.distributed as dist
 
 from buffer.client import BufferClient
 from common.ready import mark_ready
-from learner.advantages import (broadcast, gae_advantages, grpo_advantages, on_actions, reinforce_pp_advantages,
-                                rloo_advantages, token_rewards, whiten)
-from learner.batching import (TrainBatch, buffer_stats, mini_batches, score_stats, split_evenly,
-                              staleness_stats, to_train_batch)
+from learner.advantages import (
+    broadcast,
+    gae_advantages,
+    grpo_advantages,
+    on_actions,
+    reinforce_pp_advantages,
+    rloo_advantages,
+    token_rewards,
+    whiten,
+)
+from learner.batching import (
+    TrainBatch,
+    buffer_stats,
+    mini_batches,
+    score_stats,
+    split_evenly,
+    staleness_stats,
+    to_train_batch,
+)
 from learner.checkpoint import restore_latest, save_checkpoint
 from learner.config import LearnerConfig
-from learner.engine import (all_reduce_sum, build_critic_engine, build_policy_engine, grad_norm,
-                            iter_publish_params, process_group, stopped)
+from learner.engine import (
+    all_reduce_sum,
+    build_critic_engine,
+    build_policy_engine,
+    grad_norm,
+    iter_publish_params,
+    process_group,
+    stopped,
+)
 from learner.ledger import Ledger
-from learner.source import due, evaluate, fetch_batch, handshake, step_group_ids, tell_version
 from learner.lora import adapter_disabled, adapter_spec, is_lora
 from learner.losses import aggregate, behaviour_correction, kl_penalty, policy_loss, value_loss
 from learner.metrics import MetricsWriter, reduce_across_ranks
 from learner.modeling import masked_mean, next_token_stats
 from learner.packing import PackedRows, regroup
-
+from learner.source import due, evaluate, fetch_batch, handshake, step_group_ids, tell_version
 
 log = logging.getLogger("conveyor.learner")
 

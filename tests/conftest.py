@@ -64,3 +64,18 @@ def weight_sync_service():
     svc.start()
     yield svc, port
     svc.stop()
+
+
+# `make test` runs the suite on two workers (pytest-xdist, `--dist loadgroup`). A module's tests stay
+# together on one worker, so a module-scoped run (tests/system/test_e2e.py's) is made once; the
+# modules that start a Ray cluster or network namespaces share one group, so that no two run at once.
+ONE_AT_A_TIME = {"test_two_node.py", "test_ray_devices.py", "test_ray_launcher.py", "test_openrlhf_cli.py",
+                 "test_curve_two_hosts.py"}
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if item.get_closest_marker("xdist_group") is None:
+            group = "cluster" if item.path.name in ONE_AT_A_TIME else item.path.relative_to(ROOT).as_posix()
+            item.add_marker(pytest.mark.xdist_group(group))

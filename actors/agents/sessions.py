@@ -52,8 +52,8 @@ from typing import Any, Callable
 
 from actors.engines.base import Completion, Sampling
 from actors.envs.api import BadReturn, EnvFailure, EnvLoadError, Row, in_thread, number, retrieve
-from actors.envs.files import load_object
 from actors.envs.episodes import Batcher, Episode, context_limit
+from actors.envs.files import load_object
 
 SESSION_FAILURES = ("raised", "bad_return", "expired", "rewritten", "bad_request")
 STAND_IN = "conveyor-stand-in-turn"  # the assistant turn the chat template renders new messages after

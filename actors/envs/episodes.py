@@ -37,8 +37,8 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 
 from actors.engines.base import Engine, Sampling
-from actors.prompts import encode_prompt
 from actors.envs.api import EnvFailure, Row, encode_observation, run_reset, run_step
+from actors.prompts import encode_prompt
 from buffer.messages import ID_DTYPE, LOGPROB_DTYPE, PromptGroup, Rollout
 from common.wire import MASK_DTYPE
 

@@ -13,9 +13,9 @@ import types
 from contextlib import nullcontext
 from pathlib import Path
 
-from common import moved
 from actors.envs.api import EnvLoadError
 from actors.envs.openrlhf_agent import openrlhf_standin
+from common import moved
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -3,17 +3,16 @@
 from __future__ import annotations
 
 import functools
-import importlib
 import inspect
 from pathlib import Path
 from typing import Any, Callable
 
-from common import moved
 from actors.envs.api import EnvLoadError, brief
 from actors.envs.arena import textarena_env
 from actors.envs.files import REPO, exec_file
 from actors.envs.openrlhf_agent import AgentInstanceBase, OpenRLHFAgent, agent_class
 from actors.envs.tool_env import tool_env
+from common import moved
 
 NAMED_ENVS = {"guess": "examples/envs/guess.py:GuessEnv"}  # name -> spec, paths relative to REPO
 

@@ -17,7 +17,7 @@ import sys
 import types
 from contextlib import contextmanager
 
-from actors.envs.api import BadReturn, EnvLoadError, Environment, Row, StepResult, brief, check_text, flag, number
+from actors.envs.api import BadReturn, Environment, EnvLoadError, Row, StepResult, brief, check_text, flag, number
 
 log = logging.getLogger("conveyor.env")
 

@@ -46,14 +46,13 @@ import asyncio
 import functools
 from typing import Any, Callable
 
-from actors.envs.api import EnvLoadError, Environment, Row, StepResult
+from actors.envs.api import Environment, EnvLoadError, Row, StepResult
 from actors.envs.files import load_object
 from actors.rewards import check_rewards
-from actors.tools.sandbox import SandboxLimits
 from actors.tools.calculator import Calculator
 from actors.tools.formats import make_format
 from actors.tools.registry import ERROR, Tool, ToolRegistry, ToolResult
-from actors.tools.sandbox import PythonTool
+from actors.tools.sandbox import PythonTool, SandboxLimits
 
 Reward = Callable[[str, Row], float]  # (the answer, the row) -> the episode's reward
 KEYS = ("tools", "format", "reward", "timeout_s", "max_calls")

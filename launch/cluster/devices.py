@@ -46,10 +46,11 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field, replace
 
+from launch.cluster.config import ResourceError
 from launch.devices.gpus import FAKE_ENV, Gpu, Node, PlanError, local_gpus, parse_fake
 from launch.devices.memory import demand_of
-from launch.devices.plan import DevicePlan, Placement as Seat, make_plan
-from launch.cluster.config import ResourceError
+from launch.devices.plan import DevicePlan, make_plan
+from launch.devices.plan import Placement as Seat
 from launch.roles import RoleSpec, place
 from weight_sync.groups import nccl_env
 

@@ -34,8 +34,17 @@ from launch.cluster.placement import Placement, Slot
 from launch.cluster.roles import CONTROLLER_PREFIX, RoleProcess, RunControl
 from launch.cluster.scale import scale_to
 from launch.cluster.status import StatusFeed
-from launch.roles import (ROOT, RestartPolicy, RoleSpec, State, after_exit, generator_spec, gone_for_good, plan,
-                          prepare_keys)
+from launch.roles import (
+    ROOT,
+    RestartPolicy,
+    RoleSpec,
+    State,
+    after_exit,
+    generator_spec,
+    gone_for_good,
+    plan,
+    prepare_keys,
+)
 
 
 class RunFailed(RuntimeError):

@@ -27,8 +27,8 @@ import torch.nn.functional as F
 from learner.engine import load_trainable_lm
 from learner.lora import adapter_disabled
 from learner.modeling import token_logprobs
-from learner.offline.loop import Data, Trainer, logger, pad_batch, run_trainer
 from learner.offline.config import DPOConfig
+from learner.offline.loop import Data, Trainer, logger, pad_batch, run_trainer
 
 
 def dpo_loss(policy_chosen: torch.Tensor, policy_rejected: torch.Tensor, ref_chosen: torch.Tensor,

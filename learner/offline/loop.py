@@ -38,11 +38,11 @@ from typing import Callable, NamedTuple, Sequence
 import torch
 
 from learner.checkpoint import restore_latest, save_checkpoint, save_hf
-from learner.offline.datasets import DataStats, Encoded, load_splits, report
 from learner.engine import all_reduce_sum, build_engine, grad_norm, process_group, stopped
 from learner.lora import is_lora, save_adapter
 from learner.metrics import MetricsWriter, reduce_across_ranks
 from learner.offline.config import OfflineConfig
+from learner.offline.datasets import DataStats, Encoded, load_splits, report
 
 
 class SetupError(ValueError):

@@ -18,8 +18,8 @@ import torch
 import torch.nn.functional as F
 
 from learner.engine import enable_gradient_checkpointing
-from learner.offline.loop import Data, Trainer, pad_batch, run_trainer
 from learner.offline.config import RMConfig
+from learner.offline.loop import Data, Trainer, pad_batch, run_trainer
 
 
 def bradley_terry_loss(chosen: torch.Tensor, rejected: torch.Tensor, margin: torch.Tensor | float = 0.0) -> torch.Tensor:

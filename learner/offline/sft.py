@@ -14,8 +14,8 @@ import torch
 
 from learner.engine import load_trainable_lm
 from learner.modeling import token_logprobs
-from learner.offline.loop import Data, Trainer, pack_batch, pad_batch, run_trainer
 from learner.offline.config import SFTConfig
+from learner.offline.loop import Data, Trainer, pack_batch, pad_batch, run_trainer
 
 
 def sft_loss(logprobs: torch.Tensor, target: torch.Tensor, denom: float | torch.Tensor) -> torch.Tensor:

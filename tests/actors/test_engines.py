@@ -404,12 +404,12 @@ def test_openai_endpoint_records_the_engines_ids_and_the_agents_exactly(vllm_eng
     an agent that raises fails its own group; all counted."""
     from collections import Counter
 
+    from transformers import AutoTokenizer
+
+    from actors.agents.openai_server import AgentServer
     from actors.config import GeneratorConfig
     from actors.envs.episodes import rollout_of
-    from actors.agents.openai_server import AgentServer
     from buffer.messages import PromptGroup
-
-    from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(tiny_model_dir)  # the engine's, with a chat template (its own has none)
     tok.chat_template = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}</s>\n{% endfor %}"

@@ -14,7 +14,19 @@ import time
 
 import pytest
 
-from actors.envs.api import BadReturn, EnvFailure, EnvLoadError, Environment, Row, StepResult, check_step, encode_observation, run_episode, run_reset, run_step
+from actors.envs.api import (
+    BadReturn,
+    EnvFailure,
+    Environment,
+    EnvLoadError,
+    Row,
+    StepResult,
+    check_step,
+    encode_observation,
+    run_episode,
+    run_reset,
+    run_step,
+)
 from actors.envs.loader import load_env
 from demo.guess import HI, HIGHER, INVALID, LO, bisection_policy, make_problems, prompt_of, split_secrets
 

@@ -19,8 +19,8 @@ from __future__ import annotations
 import re
 import threading
 import time
-from types import SimpleNamespace
 from concurrent.futures import Future
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -85,8 +85,8 @@ def switch_index(versions: np.ndarray) -> int:
 def test_interrupt_mode_loads_weights_into_the_running_batch(tmp_path, tiny_model_dir):
     from safetensors.torch import load_file
 
-    from learner.modeling import load_causal_lm
     from demo.tiny_model import build_tiny_model
+    from learner.modeling import load_causal_lm
     from weight_sync.client import GeneratorSyncClient
     from weight_sync.config import WeightSyncConfig
     from weight_sync.sender import WeightSender

@@ -8,20 +8,15 @@ sets prompts_per_step to the number of groups it expects accepted, so step 0 hol
 from __future__ import annotations
 
 import signal
-import subprocess
-import sys
 import time
 from collections import Counter
-from pathlib import Path
 
 import numpy as np
 import pytest
 
 from buffer.client import BufferClient, BufferDone
-from common.ready import ENV as READY_ENV
 from tests.helpers.buffer import start_buffer, started
-from tests.helpers.procs import start_role, stop, wait_exit
-from tests.helpers.procs import ARITHMETIC
+from tests.helpers.procs import ARITHMETIC, start_role, stop, wait_exit
 
 PROMPTS = [{"prompt": f"{a}+{b}=", "label": str(a + b)[::-1]} for a, b in
            [(12, 34), (56, 21), (40, 40), (99, 11), (23, 45), (70, 18)]]

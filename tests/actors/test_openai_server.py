@@ -13,11 +13,11 @@ import httpx
 import openai
 import pytest
 
+from actors.agents.openai_server import AgentServer
 from actors.agents.sessions import encode_turn, load_agent
 from actors.config import GeneratorConfig
 from actors.engines.base import Completion, Sampling
 from actors.envs.api import EnvLoadError
-from actors.agents.openai_server import AgentServer
 from buffer.messages import PromptGroup
 from demo.tiny_model import build_tokenizer
 from tests.helpers.buffer import start_buffer, started

@@ -29,8 +29,6 @@ from tests.helpers.buffer import start_buffer, started
 from tests.helpers.procs import ARITHMETIC, ROOT, stop, subprocess_env
 
 
-
-
 def make_rollout(prompt: str, completion: str, label: str | None, group_id: int = 0, sample_index: int = 0,
                  lease_id: int = 1, tokenizer=None) -> Rollout:
     """A rollout as a generator would send it; token ids from `tokenizer` (else one id per character)."""

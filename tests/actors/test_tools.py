@@ -11,11 +11,10 @@ import tracemalloc
 
 import pytest
 
-from actors.tools.sandbox import SandboxLimits
 from actors.tools.calculator import Calculator
 from actors.tools.formats import HermesFormat, TagFormat, make_format, template_turn, tool_messages
 from actors.tools.registry import Tool, ToolCall, ToolRegistry, ToolResult
-from actors.tools.sandbox import PythonTool
+from actors.tools.sandbox import PythonTool, SandboxLimits
 
 FAST = SandboxLimits(timeout_s=2.0, memory_mb=256)
 

@@ -10,7 +10,7 @@ import time
 import yaml
 
 from buffer.eval import EVAL_GROUP_BASE
-from buffer.messages import EvalReport, EvalRequest, LeaseGrant, Wait
+from buffer.messages import EvalReport, EvalRequest, Wait
 from tests.helpers.buffer import answer, group_ids, scored, start_buffer
 
 

@@ -5,9 +5,7 @@ a particular config (a short lease ttl, a given staleness, a state dir) start th
 takes a fraction of a second.
 """
 
-import json
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -17,21 +15,16 @@ import numpy as np
 import pytest
 import zmq
 
-from buffer.client import BufferClient, BufferDone, BufferError, ResumeNeeded
-from buffer.store import StateStore
+from buffer.client import BufferDone, BufferError, ResumeNeeded
 from buffer.messages import (
     Ack,
     BatchRequest,
-    LeaseGrant,
-    Rollout,
     ScoredMsg,
-    ScoredRollout,
     Wait,
     decode,
     encode,
 )
-from common.ready import ENV as READY_ENV
-from common.ready import read_ready
+from buffer.store import StateStore
 from launch.ports import free_port_block as free_base_port
 from tests.helpers.buffer import answer, group_ids, scored, start_buffer, write_prompts
 

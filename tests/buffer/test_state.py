@@ -1,15 +1,13 @@
 """Admission control, the stale-drop rule and the share split, against values worked out by hand;
 then the buffer's bookkeeping (`buffer.state.BufferState`) driven directly, without sockets."""
 
-import json
 
 import pytest
 
-from buffer.config import BufferConfig
-from buffer.messages import LeaseGrant, Wait
+from buffer.messages import Wait
 from buffer.prompts import PromptOrder, PromptsError, load_prompts
 from buffer.rules import admission_limit, admits, is_stale, share_bounds
-from buffer.state import BufferState, RequestError, Sample
+from buffer.state import RequestError, Sample
 from buffer.store import StateStore
 from tests.helpers.buffer import complete, make_state
 

@@ -7,10 +7,23 @@ import random
 import msgpack
 import numpy as np
 
-from buffer.messages import (Ack, Batch, Error, GroupFailed, LeaseGrant, LeaseRenew, LeaseRequest, Metrics,
-                             MetricsRequest, PromptGroup, RolloutsMsg, ScoredMsg, Wait, encode)
+from buffer.messages import (
+    Ack,
+    Batch,
+    Error,
+    GroupFailed,
+    LeaseGrant,
+    LeaseRenew,
+    LeaseRequest,
+    Metrics,
+    MetricsRequest,
+    PromptGroup,
+    RolloutsMsg,
+    ScoredMsg,
+    Wait,
+    encode,
+)
 from tests.helpers.buffer import scored
-
 
 ODD_VALUES = [None, True, False, 0, -1, 1.5, float("nan"), float("inf"), 2**63, -(2**63), "", "x" * 50, b"",
               b"\x00" * 7, [], [1, "a"], {}, {"k": None}, {"k": [1]}, {1: 2}]

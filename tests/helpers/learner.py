@@ -10,7 +10,6 @@ from buffer.client import BufferDone
 from buffer.messages import Batch, Rollout, ScoredRollout
 from learner.config import LearnerConfig
 
-
 VOCAB_LO, VOCAB_HI = 4, 70  # ordinary character tokens of the tiny tokenizer (ids 0-3 are specials)
 
 

@@ -33,6 +33,7 @@ def main(model_dir: str, run_dir: str, use_async: bool = False, merged: bool = F
     from actors.engines.base import Sampling
     from actors.engines.hf import TransformersEngine
     from actors.engines.vllm.engine import AsyncVLLMEngine, VLLMEngine
+    from launch.ports import free_port_block
     from learner.checkpoint import save_checkpoint
     from learner.config import LearnerConfig
     from learner.engine import build_policy_engine, iter_full_params, iter_publish_params, process_group
@@ -42,7 +43,6 @@ def main(model_dir: str, run_dir: str, use_async: bool = False, merged: bool = F
     from weight_sync.config import WeightSyncConfig
     from weight_sync.sender import WeightSender
     from weight_sync.service import WeightSyncService
-    from launch.ports import free_port_block
 
     cfg = LearnerConfig(model_path=model_dir, run_dir=run_dir, lora_rank=8, lora_alpha=16, zero_stage=2,
                         lr=5e-3, dist_backend="gloo", tensorboard=False)

@@ -3,7 +3,6 @@ fit, refusals with the numbers, and every role process's environment carrying it
 
 from __future__ import annotations
 
-import json
 import subprocess
 import sys
 from pathlib import Path

@@ -6,14 +6,13 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
 import re
 import subprocess
 import sys
 
 import pytest
-from tests.helpers.procs import ROOT, subprocess_env
 
+from tests.helpers.procs import ROOT, subprocess_env
 
 NVML_CHECK = "PYTORCH_NVML_BASED_CUDA_CHECK"
 

@@ -256,8 +256,8 @@ def test_quick_start_parses_through_launch_local_and_launch_ray(files):
 
 
 def test_ray_bundles_reserve_the_gpus_only_on_a_gpu_cluster(files):
-    from launch.devices.gpus import parse_fake
     from launch.cluster.devices import RayDevices
+    from launch.devices.gpus import parse_fake
 
     rcfg, run = on_ray(quick_start(files, "--vllm_tensor_parallel_size", "2", "--scorer.device", "cuda"))
     gpu = RayDevices.make(run, rcfg, parse_fake("8"))  # the separate layout: each process its planned GPUs
@@ -311,8 +311,8 @@ def test_drop_in_takes_openrlhf_defaults_and_the_users_flags_win(files):
 
 
 def test_help_lists_the_flags_grouped_with_their_meaning_fast():
-    from launch.ray import __doc__ as ray_doc
     from launch.cluster.config import ray_help
+    from launch.ray import __doc__ as ray_doc
 
     t0 = time.monotonic()
     out = subprocess.run([sys.executable, "-m", "launch.local", "--help"], cwd=ROOT, capture_output=True,

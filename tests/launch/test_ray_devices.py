@@ -106,9 +106,9 @@ def test_colocated_layout_holds_one_gpu_group_per_node_and_processes_reserve_non
 
 
 def test_a_vllm_generator_without_a_gpu_on_a_gpu_cluster_is_refused():
-    from launch.devices.gpus import parse_fake
     from launch.cluster.config import ResourceError
     from launch.cluster.devices import cluster_nodes
+    from launch.devices.gpus import parse_fake
 
     with pytest.raises(ResourceError, match=r"ray.generator.num_gpus=0\).*pile onto GPU 0"):
         devices(parse_fake("8"), "--ray.generator.num_gpus", "0")
@@ -190,8 +190,8 @@ def ray_gpus():
 
 def fake_job(tmp_path, *flags: str):
     """A RayRun whose role processes report their devices (REPORT) instead of running the role."""
-    from launch.process import PYTHON
     from launch.cluster.run import RayRun
+    from launch.process import PYTHON
 
     (tmp_path / "run").mkdir()
     rcfg, run = load("--run.run_dir", str(tmp_path / "run"), "--ray.placement_timeout_s", "15", *SMALL, *flags)

@@ -33,10 +33,10 @@ from pathlib import Path
 
 import pytest
 import yaml
+
 from launch.ports import free_port_block
 from tests.helpers.cluster import metrics, run_quick_start, run_status, stop_driver, wait_for
 from tests.helpers.procs import ROOT, subprocess_env
-
 
 PY = sys.executable
 RAY = str(Path(sys.executable).with_name("ray"))
@@ -120,8 +120,8 @@ def test_failures_give_exit_codes_and_only_core_roles_are_resumed(tmp_path):
     exit code, `with_auto_resume` starts a new attempt after a learner/buffer/weight-sync failure."""
     from types import SimpleNamespace
 
-    from launch.ray import FinalExit, RunFailed, attempt_code
     from launch.cluster.config import ResourceError
+    from launch.ray import FinalExit, RunFailed, attempt_code
     from launch.recovery import Stalled, with_auto_resume
 
     said: list[str] = []

@@ -3,8 +3,16 @@
 import pytest
 import torch
 
-from learner.advantages import (discounted_returns, gae_advantages, grpo_advantages, reinforce_pp_advantages,
-                                rloo_advantages, token_rewards, whiten)
+from learner.advantages import (
+    discounted_returns,
+    gae_advantages,
+    grpo_advantages,
+    reinforce_pp_advantages,
+    rloo_advantages,
+    token_rewards,
+    whiten,
+)
+
 
 def close(x, expected, tol=1e-6):
     """x (a tensor) equals the nested list `expected` to within tol."""

@@ -9,7 +9,6 @@ steps 2 and 3 give the same losses (to 1e-5 relative) and the same final weights
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -18,8 +17,6 @@ from pathlib import Path
 import pytest
 
 from tests.helpers.procs import subprocess_env
-
-
 
 DRIVER = r'''
 import os, signal, sys

@@ -12,18 +12,9 @@ import numpy as np
 import pytest
 import torch
 
-from buffer.client import BufferDone
-from buffer.messages import Batch, Rollout, ScoredRollout
 from learner.batching import mini_batches, to_train_batch
 from learner.config import LearnerConfig
 from tests.helpers.learner import ListSource, make_group, step_loss_and_grads
-
-
-
-
-
-
-
 
 
 def test_to_train_batch_places_completion_tokens():
@@ -183,9 +174,8 @@ def test_a_failing_step_still_closes_what_the_loop_opened(tiny_model_dir, tmp_pa
 def test_the_learners_weight_sync_address_wins_over_the_section(tmp_path):
     """learner.weight_sync_host/port/timeout_s (which launchers may override) beat the `weight_sync:`
     section's; the section's own sender knobs (backend, bucket size) are kept."""
-    from weight_sync.config import WeightSyncConfig
-
     from learner.trainer import weight_sender
+    from weight_sync.config import WeightSyncConfig
 
     cfg = LearnerConfig(model_path="m", weight_sync_host="127.0.0.1", weight_sync_port=5999, weight_sync_timeout_s=7.0)
     section = WeightSyncConfig(host="10.0.0.1", port=1234, timeout_s=60.0, backend="disk", disk_dir=str(tmp_path),

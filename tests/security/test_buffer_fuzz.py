@@ -8,7 +8,6 @@ valid group pushed before and during the fuzz is served to the learner byte for 
 """
 
 import random
-import time
 
 import msgpack
 import numpy as np
@@ -16,22 +15,11 @@ import zmq
 
 from buffer.messages import (
     DEFAULT_LIMITS,
-    Ack,
-    Batch,
     BatchRequest,
     Error,
-    GroupFailed,
-    LeaseGrant,
-    LeaseRenew,
-    LeaseRequest,
-    Metrics,
-    MetricsRequest,
-    PromptGroup,
     ProtocolError,
-    RolloutsMsg,
     ScoredMsg,
     ScoredRollout,
-    Wait,
     decode,
     decode_item,
     encode,
@@ -40,13 +28,6 @@ from buffer.messages import (
 from buffer.service import scored_meta
 from tests.helpers.buffer import group_ids, scored, start_buffer
 from tests.helpers.fuzz import corpus, mutate, random_message
-
-
-
-
-
-
-
 
 
 def test_decode_raises_only_protocol_error():

@@ -16,11 +16,11 @@ import zmq
 from buffer.client import BufferClient, BufferError
 from buffer.messages import LeaseGrant
 from common import curve
+from launch.ports import free_port_block
+from tests.helpers.buffer import scored, start_buffer
 from weight_sync.client import GeneratorSyncClient, WeightSyncError
 from weight_sync.config import WeightSyncConfig
 from weight_sync.service import WeightSyncService
-from launch.ports import free_port_block
-from tests.helpers.buffer import scored, start_buffer
 
 
 def client_as(monkeypatch, keys, name: str | None, port: int, timeout_s: float = 5.0) -> BufferClient:

@@ -23,13 +23,12 @@ import zmq
 from buffer.client import BufferClient
 from buffer.messages import Rollout, RolloutsMsg, ScoredMsg, decode, encode
 from common.wire import ProtocolError
-from weight_sync import messages as wsm
-from weight_sync.client import GeneratorSyncClient, WeightSyncError
 from launch.ports import free_port_block
 from tests.helpers.buffer import start_buffer
 from tests.helpers.fuzz import mutate, random_message
 from tests.helpers.procs import ROOT, subprocess_env
-
+from weight_sync import messages as wsm
+from weight_sync.client import GeneratorSyncClient, WeightSyncError
 
 N = 10_000
 

@@ -23,12 +23,11 @@ import zmq
 
 from buffer.client import BufferClient
 from buffer.messages import BatchRequest, Error, MetricsRequest, Rollout, decode, encode
-from weight_sync import messages as wsm
-from weight_sync.client import GeneratorSyncClient
 from launch.ports import free_port_block
 from tests.helpers.buffer import answer, scored, start_buffer
 from tests.helpers.procs import ROOT, subprocess_env
-
+from weight_sync import messages as wsm
+from weight_sync.client import GeneratorSyncClient
 
 MB = 1 << 20
 # a list nested 1,000 deep: msgpack unpacks it (its limit is 1,024), Python's repr of it recurses too deep

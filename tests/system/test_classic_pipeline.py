@@ -7,8 +7,8 @@ import subprocess
 import sys
 
 import pytest
-from tests.helpers.procs import ROOT, subprocess_env
 
+from tests.helpers.procs import ROOT, subprocess_env
 
 
 @pytest.mark.slow

@@ -24,8 +24,8 @@ from pathlib import Path
 
 import psutil
 import pytest
-from tests.helpers.procs import ROOT, subprocess_env
 
+from tests.helpers.procs import ROOT, subprocess_env
 
 DEMO_YAML = ROOT / "examples" / "demo.yaml"
 SMALL = ["--buffer.prompts_per_step", "4", "--buffer.n_samples_per_prompt", "4", "--generator.groups_per_lease", "2",

@@ -9,8 +9,7 @@ import json
 import pytest
 
 from demo.arithmetic import encode_segments
-from demo.guess import (CORRECT, HIGHER, LOWER, MAX_TURNS, TURN_PENALTY, Game, bisection_segments, prompt_of,
-                        reachable)
+from demo.guess import CORRECT, HIGHER, LOWER, MAX_TURNS, TURN_PENALTY, Game, bisection_segments, prompt_of, reachable
 from demo.tiny_model import build_tokenizer
 from launch.demo import AGENT_CONFIG, GUESS_CONFIG, ROOT, guess_data, split_demo_args, subset_points
 

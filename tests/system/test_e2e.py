@@ -18,8 +18,8 @@ import time
 from pathlib import Path
 
 import pytest
-from tests.helpers.procs import ROOT, subprocess_env
 
+from tests.helpers.procs import ROOT, subprocess_env
 
 DEMO_YAML = ROOT / "examples" / "demo.yaml"
 WARM_STEPS = 375  # the demo's warm start: ~25% held-out greedy accuracy, room for RL to show a gain

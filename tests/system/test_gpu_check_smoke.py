@@ -8,8 +8,8 @@ import subprocess
 import sys
 
 import pytest
-from tests.helpers.procs import ROOT, subprocess_env
 
+from tests.helpers.procs import ROOT, subprocess_env
 
 # every step of the script, in its order; the GPU-only ones are skipped here
 STEPS = ["nvidia-smi", "make install (dry run)", "CUDA check (scripts/check_cuda.py)", "build model", "device plan",

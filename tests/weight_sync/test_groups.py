@@ -20,11 +20,11 @@ import pytest
 import torch
 
 import weight_sync.groups as R
+from tests.helpers.procs import subprocess_env
 from weight_sync.client import GeneratorSyncClient
 from weight_sync.receiver import receive_named_tensors
 from weight_sync.round import RoundStore, store_server, wait_key
 from weight_sync.sender import WeightSender
-from tests.helpers.procs import subprocess_env
 
 # ---------------------------------------------------------------------------------------------
 # what a group is built with (pure)

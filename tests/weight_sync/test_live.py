@@ -17,14 +17,14 @@ from pathlib import Path
 import pytest
 import torch
 
+from launch.ports import free_port_block
+from tests.helpers.procs import ROOT, subprocess_env
+from tests.helpers.ws_generator import digest
 from weight_sync.client import GeneratorSyncClient
 from weight_sync.config import WeightSyncConfig
 from weight_sync.receiver import receive_into_model
 from weight_sync.sender import WeightSender
 from weight_sync.service import WeightSyncService
-from launch.ports import free_port_block
-from tests.helpers.procs import ROOT, subprocess_env
-from tests.helpers.ws_generator import digest
 
 HELPER = str(ROOT / "tests" / "helpers" / "ws_generator.py")
 

@@ -14,6 +14,7 @@ import torch
 import zmq
 
 from common.config import ConfigError, load_section
+from launch.ports import free_port_block
 from weight_sync import buckets as bk
 from weight_sync.adapter import merge_adapter
 from weight_sync.client import GeneratorSyncClient, WeightSyncError, ask
@@ -40,7 +41,6 @@ from weight_sync.messages import (
 from weight_sync.receiver import RoundMissed, receive_named_tensors
 from weight_sync.sender import WeightSender
 from weight_sync.state import SyncState
-from launch.ports import free_port_block
 
 # ---------------------------------------------------------------------------------------------
 # buckets

@@ -6,9 +6,9 @@ import json
 
 import pytest
 
-from learner.offline.datasets import DatasetError, load_examples, load_splits
-from learner.offline.config import DPOConfig, RMConfig, SFTConfig
 from demo.tiny_model import build_tokenizer, vocab
+from learner.offline.config import DPOConfig, RMConfig, SFTConfig
+from learner.offline.datasets import DatasetError, load_examples, load_splits
 
 V = vocab()
 BOS, EOS = V["<s>"], V["</s>"]

@@ -5,9 +5,9 @@ import math
 import pytest
 import torch
 
+from learner.offline.datasets import Encoded
 from learner.offline.dpo import dpo_loss
 from learner.offline.loop import pack_batch, pad_batch
-from learner.offline.datasets import Encoded
 from learner.offline.rm import bradley_terry_loss
 from learner.offline.sft import sft_loss
 

@@ -16,9 +16,9 @@ import pytest
 import torch
 
 from demo.arithmetic import make_problems, warm_start, write_jsonl
+from launch.ports import free_port_block
 from learner.metrics import read_metrics
 from learner.offline.config import DPOConfig, RMConfig, SFTConfig
-from launch.ports import free_port_block
 from tests.helpers.procs import ROOT, subprocess_env
 
 
@@ -66,8 +66,8 @@ def arithmetic_data(tmp_path_factory, tiny_model_dir):
 def test_packed_rows_give_the_same_logprobs_as_separate_ones(tiny_model_dir):
     from transformers import AutoModelForCausalLM
 
-    from learner.offline.datasets import Encoded
     from learner.modeling import token_logprobs
+    from learner.offline.datasets import Encoded
     from learner.offline.loop import pack_batch, pad_batch
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
@@ -135,8 +135,8 @@ def test_sft_with_lora_trains_an_adapter_that_peft_loads(tmp_path, tiny_model_di
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    from learner.offline import sft
     from learner.modeling import token_logprobs
+    from learner.offline import sft
 
     rows = [{"prompt": q + " ", "response": a + "\n"} for q, a in MEMORY.items()]
     data = write_jsonl(rows, tmp_path / "memory.jsonl")
