@@ -246,7 +246,8 @@ def episode_rollouts(grant: LeaseGrant, groups, prompt_ids, cfg: GeneratorConfig
 
     try:
         played = (agents.play(groups, grant.n_samples, engine, sampling, cfg, generate, counts.env) if agents else
-                  run_episodes(groups, prompt_ids, grant.n_samples, engine, sampling, cfg, factory, generate, counts.env))
+                  run_episodes(groups, prompt_ids, grant.n_samples, engine, sampling, cfg, factory, generate,
+                               counts.env))
     except ValueError as e:  # the engine refused a context (e.g. past vLLM's max_model_len)
         return _give_up(grant, groups, client, counts, f"engine refused an episode's context: {e}")
     counts.generate_s += time.monotonic() - t0

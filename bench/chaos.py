@@ -10,7 +10,8 @@ launcher; a learner, buffer or weight-sync kill restarts the whole run from its 
 trained twice, none lost, no rollout newer than the step it trained (negative staleness).
 
 Prints progress to stderr and, last, one JSON line on stdout: kills, restarts, resumes,
-attempt_codes (each whole-run start's exit code, from exit.json), reached_total_steps, groups_lost, groups_trained_twice, negative_staleness_steps, wall_s,
+attempt_codes (each whole-run start's exit code, from exit.json), reached_total_steps, \
+groups_lost, groups_trained_twice, negative_staleness_steps, wall_s,
 clean_wall_s, overhead (wall_s / clean_wall_s).
 """
 

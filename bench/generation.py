@@ -6,7 +6,8 @@
 Models are built on the fly (demo/tiny_model.py): `tiny` (2 layers, hidden 128) and `large`
 (8 layers, hidden 512), or given as folders. vLLM runs as a generator builds it, once per
 `--cpu-linear` setting (on CPU: `auto` = torch's linear on plain float32 weights, which a weight
-round copies into; `packed` = vLLM's oneDNN kernels on repacked weights, which a round repacks). Each engine gets one untimed warm-up call, then `--repeat` timed
+round copies into; `packed` = vLLM's oneDNN kernels on repacked weights, which a round repacks). \
+Each engine gets one untimed warm-up call, then `--repeat` timed
 `generate` calls of n samples for every prompt at temperature 1; the fastest is reported (the
 machine may be shared), with all of them alongside. Generated tokens are counted from the outputs (both
 backends stop at eos). Progress goes to stderr; the last line on stdout is one JSON object.
@@ -102,7 +103,8 @@ def main(argv: list[str] | None = None) -> None:
                 say(f"{name} ({n_params / 1e6:.1f}M params), {kind} {cpu_linear}: {len(prompts)} prompts x {a.n} "
                     f"samples, up to {a.max_tokens} tokens")
                 r = {"model": name, **MODELS.get(name, {}), "params": n_params, "cpu_linear": cpu_linear,
-                     **bench_engine(kind, model_dir, prompt_ids, a.n, a.max_tokens, a.seed, a.repeat, cpu_linear or "auto")}
+                     **bench_engine(kind, model_dir, prompt_ids, a.n, a.max_tokens, a.seed, a.repeat,
+                                    cpu_linear or "auto")}
                 say(f"  best of {a.repeat}: {r['tokens']} tokens in {r['seconds']:.2f}s: {r['tokens_per_s']:.0f} tok/s "
                     f"(all runs {r['all_tokens_per_s']}; engine start {r['startup_s']:.1f}s)")
                 results.append(r)

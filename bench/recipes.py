@@ -33,7 +33,8 @@ for p in (ROOT, ROOT / "bench"):
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--quick", action="store_true", help="the tiny model (2 layers, hidden 128) for both figures")
-    p.add_argument("--grad-accum", type=int, default=1, help="micro-batches per learner step (the learner's default: 1)")
+    p.add_argument("--grad-accum", type=int, default=1,
+                   help="micro-batches per learner step (the learner's default: 1)")
     p.add_argument("--repeat", type=int, default=3, help="timed learner steps per layout (the fastest counts)")
     a = p.parse_args(argv)
 
@@ -44,13 +45,15 @@ def main(argv: list[str] | None = None) -> None:
     print(f"lora: {lora['lora']['wire_bytes']:,} of {lora['full']['wire_bytes']:,} bytes per round "
           f"({lora['bytes_ratio']:.4f}; trainable params {lora['trainable_ratio']:.4f})", file=sys.stderr)
     pack = packing.measure("tiny" if a.quick else "small", grad_accum=a.grad_accum, repeat=a.repeat)
-    print(f"packing: {pack['learner']['padded']['tokens_per_s']:.0f} -> {pack['learner']['packed']['tokens_per_s']:.0f} "
+    print(f"packing: {pack['learner']['padded']['tokens_per_s']:.0f} -> "
+          f"{pack['learner']['packed']['tokens_per_s']:.0f} "
           f"tokens/s ({pack['ratio']}x)", file=sys.stderr)
     print(json.dumps({
         "bench": "recipes", "quick": a.quick,
         "lora_bytes_full": lora["full"]["wire_bytes"], "lora_bytes_lora": lora["lora"]["wire_bytes"],
         "lora_bytes_ratio": round(lora["bytes_ratio"], 5), "lora_trainable_ratio": round(lora["trainable_ratio"], 5),
-        "packing_model": pack["model"], "packing_grad_accum": a.grad_accum, "packing_padded_tokens_per_s": pack["learner"]["padded"]["tokens_per_s"],
+        "packing_model": pack["model"], "packing_grad_accum": a.grad_accum,
+        "packing_padded_tokens_per_s": pack["learner"]["padded"]["tokens_per_s"],
         "packing_packed_tokens_per_s": pack["learner"]["packed"]["tokens_per_s"], "packing_ratio": pack["ratio"],
         "packing_reference_ratio": pack["reference_ratio"],
     }))

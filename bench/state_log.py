@@ -45,7 +45,8 @@ def main() -> None:
         dt = time.perf_counter() - t0
         out[policy] = round(args.records / dt, 1)
         print(f"[bench] fsync={policy}: {out[policy]:.0f} records/s", file=sys.stderr, flush=True)
-    print(json.dumps({"records_per_s": out, "slowdown_vs_never": {k: round(out["never"] / v, 2) for k, v in out.items()},
+    print(json.dumps({"records_per_s": out,
+                      "slowdown_vs_never": {k: round(out["never"] / v, 2) for k, v in out.items()},
                       "record_kib": args.kib, "records": args.records}))
 
 

@@ -291,7 +291,8 @@ def run_buffer(args, ctx, curve: bool = False) -> tuple[float, int, dict]:
                                    for k in range(groups)))
         prof = ["-m", "cProfile", "-o", args.profile_buffer] if args.profile_buffer else []
         cmd = [sys.executable, *prof, "-m", "launch.buffer", "--buffer.port", str(port),
-               "--buffer.prompts", str(prompts), "--buffer.prompts_per_step", str(args.per_step), "--buffer.n_samples_per_prompt", str(args.group),
+               "--buffer.prompts", str(prompts), "--buffer.prompts_per_step", str(args.per_step),
+               "--buffer.n_samples_per_prompt", str(args.group),
                "--buffer.max_staleness", "16", "--buffer.log_level", "warning",
                "--buffer.curve", "on" if curve else "off"]
         ready = Path(tmp) / "ready.json"

@@ -147,7 +147,8 @@ def main() -> None:
     p.add_argument("--model", default="")
     p.add_argument("--port", type=int, default=0)
     p.add_argument("--store-port", type=int, default=0)
-    p.add_argument("--vllm-rounds", type=int, default=8, help="rounds into vLLM, alternating paths; the first two warm up")
+    p.add_argument("--vllm-rounds", type=int, default=8,
+                   help="rounds into vLLM, alternating paths; the first two warm up")
     p.add_argument("--fresh-groups", action="store_true",
                    help="build the broadcast group anew every round (as before groups were kept between rounds)")
     p.add_argument("--backend", default="gloo", choices=["gloo", "nccl"],
@@ -187,8 +188,8 @@ def main() -> None:
     svc.start()
     env = subprocess_env()
     rx = subprocess.Popen([sys.executable, __file__, "--role", "receiver", "--model", model_dir, "--port", str(port),
-                           "--store-port", str(store_port), "--reps", str(a.reps), "--backend", a.backend], env=env, stdout=subprocess.PIPE,
-                          text=True)
+                           "--store-port", str(store_port), "--reps", str(a.reps), "--backend", a.backend],
+                          env=env, stdout=subprocess.PIPE, text=True)
     store, pg = _pg(store_port, 0, True, a.backend)
     dev = _device(a.backend)
     named = [(k, x.to(dev)) for k, x in named]
@@ -246,7 +247,8 @@ def main() -> None:
     print(f"(a) raw flat broadcast: {[round(x, 3) for x in raw]} s", flush=True)
     print(f"(c) per-tensor broadcasts ({len(named)}): {[round(x, 3) for x in per_tensor]} s", flush=True)
     print(f"(b) broadcast rounds ({rounds[0]['buckets']} receive buckets of <= {a.bucket_mb:g} MiB): "
-          f"join {col(rounds, 'join_s')} s, broadcast {col(rounds, 'broadcast_s')} s = ready {col(rounds, 'ready_s')} + group setup {col(rounds, 'setup_s')} + transfer "
+          f"join {col(rounds, 'join_s')} s, broadcast {col(rounds, 'broadcast_s')} s = ready {col(rounds, 'ready_s')} "
+          f"+ group setup {col(rounds, 'setup_s')} + transfer "
           f"{col(rounds, 'transfer_s')} + confirm {col(rounds, 'confirm_s')} s; whole round (publish) "
           f"{col(rounds, 'round_s')} s, before it the gather into the sender's buckets {col(rounds, 'gather_s')} s",
           flush=True)
@@ -322,7 +324,8 @@ def vllm_rounds(a, model_dir: str, port: int, env: dict, named: list, senders: l
     for i, (r, w, p2s) in enumerate(rows):
         t_pub = w["serving_at"] - p2s
         print(f"(d) vLLM round {i + 1} via {w.get('via')}: publish -> serving {p2s:.3f} s = gather "
-              f"{r.get('gather_s', 0):.3f} + round offered at the generator's poll {w['info_at'] - t_pub - r.get('gather_s', 0):.3f}"
+              f"{r.get('gather_s', 0):.3f} + round offered at the generator's poll "
+              f"{w['info_at'] - t_pub - r.get('gather_s', 0):.3f}"
               f" + receive {w['recv_s']:.3f} + load ({w.get('load_path')}) {w['load_s']:.3f} + the rest of the engine "
               f"call {w['loaded_at'] - w['info_at'] - w['recv_s'] - w['load_s']:.3f} + first token "
               f"{w['serving_at'] - w['loaded_at']:.3f} s", flush=True)

@@ -235,7 +235,8 @@ def summarise(r: Round, threshold: float, seconds: float) -> dict[str, float]:
     lengths = [len(s.rollout.completion_ids) for s in samples]
     return {
         "eval/pass@1": sum(s.reward >= threshold for s in samples) / n,
-        "eval/pass@k": sum(any(s.reward >= threshold for s in g.samples.values()) for g in scored) / max(len(scored), 1),
+        "eval/pass@k": (sum(any(s.reward >= threshold for s in g.samples.values()) for g in scored)
+                        / max(len(scored), 1)),
         "eval/reward_mean": sum(s.reward for s in samples) / n,
         "eval/k": float(r.k),
         "eval/prompts": float(len(scored)),

@@ -396,7 +396,8 @@ class BufferService:
         metas = []
         for i, f in enumerate(item_frames):
             m = scored_meta(f, f"scored[{i}]", self.limits)
-            n = self.evals.round_k if self.evals and self.evals.owns_group(m.group_id) else self.cfg.n_samples_per_prompt
+            n = (self.evals.round_k if self.evals and self.evals.owns_group(m.group_id)
+                 else self.cfg.n_samples_per_prompt)
             if m.sample_index >= n:
                 raise ProtocolError(f"scored[{i}].rollout.sample_index",
                                     f"{m.sample_index} >= n_samples_per_prompt {n}")
@@ -405,7 +406,8 @@ class BufferService:
         now = time.monotonic()
         for m, f in zip(metas, item_frames):
             if self.evals and self.evals.owns_group(m.group_id):
-                outcome = self.evals.add_sample(decode_item(f, "scored", limits=self.limits), (m.min_version, m.max_version))
+                outcome = self.evals.add_sample(decode_item(f, "scored", limits=self.limits),
+                                                (m.min_version, m.max_version))
                 accepted += outcome in ("accepted", "complete", "failed")
                 continue
             outcome = self.state.add_sample(m.group_id, m.sample_index, m.lease_id, m.failed, m.min_version,

@@ -14,7 +14,8 @@
 Greedy accuracy on held-out problems (never trained on) is printed after each stage and written to
 `<out>/summary.json`. Measured on 2 busy CPU cores: base 0.00 -> SFT 0.68 -> PPO 0.77-0.835 at step 10
 and 0.595-0.80 at step 20 (five runs: the end of a 20-step run is noisy; the summary's `ppo_curve`
-has every checkpoint) in ~2-3 minutes with `--quick`; the full run (80 PPO steps, a longer-trained reward model) takes ~4
+has every checkpoint) in ~2-3 minutes with `--quick`; the full run (80 PPO steps, a longer-trained \
+reward model) takes ~4
 minutes and reaches 0.82-0.87. Longer PPO over-optimises the learned reward: in a 150-step run
 held-out accuracy peaked at 0.845 (step 75) and sank to 0.75 by step 150, while the reward rose.
 `--sft.KEY V` / `--rm.KEY V` go to those stages; any other `--section.KEY V` to the PPO run config
@@ -225,7 +226,8 @@ def main(argv: list[str] | None = None) -> int:
     say(f"stage 2/3: reward model on {len(pairs)} pairs ({n_sampled} with a mistake sampled from the SFT model)")
     run_stage("rm", "launch.rm", [str(OFFLINE_CONFIG), "--rm.model_path", str(sft_dir), "--rm.dataset", str(pairs_path),
                                   "--rm.eval_dataset", str(held_pairs_path),
-                                  "--rm.save_path", str(rm_dir), "--rm.run_dir", str(out / "rm"), "--rm.seed", str(seed),
+                                  "--rm.save_path", str(rm_dir), "--rm.run_dir", str(out / "rm"),
+                                  "--rm.seed", str(seed),
                                   "--rm.epochs", str(knobs["rm_epochs"]), *rm_over], logs / "rm.log")
     rm_summary = json.loads((out / "rm" / "summary.json").read_text())
     acc["rm_pairwise_heldout"] = rm_summary["eval_end"].get("eval/accuracy")

@@ -107,7 +107,8 @@ def prepare_calc(demo: dict, run_dir: Path) -> tuple[Path, Path, Path, list[str]
     data_dir = run_dir / "data"
     heldout = make_problems(demo["heldout"], seed=10_000)  # one test set whatever --demo.seed
     train = make_problems(demo["train_prompts"], seed=demo["seed"], exclude={p["prompt"] for p in heldout})
-    heldout_path, prompts = write_jsonl(heldout, data_dir / "heldout.jsonl"), write_jsonl(train, data_dir / "train.jsonl")
+    heldout_path, prompts = (write_jsonl(heldout, data_dir / "heldout.jsonl"),
+                             write_jsonl(train, data_dir / "train.jsonl"))
     base = build_tiny_model(run_dir / "models" / "base", seed=demo["seed"])
     print(f"[demo] warm start: {demo['warm_steps']} supervised steps on scripted calculator episodes of "
           f"{len(train)} problems", flush=True)

@@ -31,7 +31,8 @@ cluster, runs the attempts (auto-resume) and gives the exit code.
   (MASTER_ADDR/MASTER_PORT of rank 0's node, RANK, WORLD_SIZE, LOCAL_RANK).
 - A generator or scorer that dies is started again (`ray.max_restarts` times each; its leases expire
   and the buffer issues them again); one whose node was lost first waits, uncounted, for a node
-  that can hold its bundle (a replacement joining; `run.stall_timeout_s` bounds the wait). A learner rank, the buffer or the weight-sync service dying
+  that can hold its bundle (a replacement joining; `run.stall_timeout_s` bounds the wait). \
+A learner rank, the buffer or the weight-sync service dying
   stops the run; with `run.auto_resume N` the whole run is then started again by itself from the
   last checkpoint (every actor and placement group of the job is freed first, the cluster stays;
   addresses are discovered again), up to N times; without, go on from it with

@@ -265,7 +265,8 @@ def finish(run: Run, explicit: dict | None = None, paths: bool = True) -> None:
         if not Path(p).exists():
             errors.append(f"buffer.prompts: {p!r} is neither a file nor a folder (buffer.prompts={b.prompts!r})")
     if not datasets:
-        errors.append("no prompts: set buffer.prompts (or --prompt_data) to a JSONL or Parquet file or a dataset folder")
+        errors.append("no prompts: set buffer.prompts (or --prompt_data) to a JSONL or Parquet file "
+                      "or a dataset folder")
     elif b.prompt_probs is not None and len(b.prompt_probs) != len(datasets):
         errors.append(f"buffer.prompt_probs={b.prompt_probs} needs one share per dataset of buffer.prompts "
                       f"({len(datasets)}: {datasets})")

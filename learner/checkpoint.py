@@ -153,7 +153,8 @@ def load_checkpoint(path: str | Path, policy, critic=None) -> dict[str, Any]:
     lora, has_adapter = is_lora(policy), (path / "adapter").is_dir()
     if lora != has_adapter:  # the module's names differ: a non-strict load would load nothing
         raise RuntimeError(f"{path} was saved {'with' if has_adapter else 'without'} LoRA and this run trains "
-                           f"{'LoRA adapters' if lora else 'the full weights'}: resume with the lora_rank it was saved with")
+                           f"{'LoRA adapters' if lora else 'the full weights'}: "
+                           "resume with the lora_rank it was saved with")
     load_path, _ = policy.load_checkpoint(str(path / "deepspeed"), tag="state", load_module_strict=not is_lora(policy),
                                           load_optimizer_states=True, load_lr_scheduler_states=True)
     if load_path is None:

@@ -159,7 +159,8 @@ def test_every_package_opens_with_a_reading_order():
     for name, path in MODULES.items():
         if path.name == "__init__.py":
             doc = ast.get_docstring(ast.parse(path.read_text())) or ""
-            assert len(doc.split()) >= 8, f"{path.relative_to(ROOT)}: its docstring should say what the package is and what to read first"
+            assert len(doc.split()) >= 8, (f"{path.relative_to(ROOT)}: its docstring should say what the package is "
+                                           "and what to read first")
 
 
 def test_moved_modules_keep_their_old_names():

@@ -27,7 +27,8 @@ A session's context is token ids, never a re-tokenisation of the text so far:
 Sampling is the generator's (temperature, top-p, top-k, stop tokens; an evaluation lease's
 temperature), whatever a request asks; `max_tokens` is honoured, capped at
 `generator.max_new_tokens`, and `stop` strings end a turn (`answer_text`: the answer leaves the
-stop string out; the session's ids keep every token sampled). Limits as for episodes: `generator.max_turns` requests per session and
+stop string out; the session's ids keep every token sampled). Limits as for episodes: \
+`generator.max_turns` requests per session and
 `generator.max_context_tokens` in all; a request past one is answered 400 and the session ends
 truncated (finish_reason `length`; it still takes its reward).
 

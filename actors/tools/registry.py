@@ -12,7 +12,8 @@ tool, bad arguments, an unclosed tag) or a tool that raises, hangs or crashes be
 whose text starts with "error: " and says what went wrong (`ok` False), and the episode goes on; a
 flood of output is cut to its first 64 KiB and says how much was dropped.
 
-The text formats of a call are actors/tools/formats.py's. Tools: `Calculator` (actors/tools/calculator.py: exact arithmetic through `ast`, never eval) and
+The text formats of a call are actors/tools/formats.py's. \
+Tools: `Calculator` (actors/tools/calculator.py: exact arithmetic through `ast`, never eval) and
 `PythonTool` (actors/tools/sandbox.py); any other is a `Tool` subclass with an `async call(arguments) -> str`.
 """
 

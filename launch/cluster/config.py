@@ -18,7 +18,8 @@ process counts (`ray_placement`).
 
 Also here, without Ray: `load` (the run config with `ray:` taken apart, paths made absolute),
 `tie_addresses` (the discovered buffer and weight-sync addresses into every section that dials
-them), `decide_curve` (`run.curve auto` decided from the nodes the services were placed on) and `check_resources` (a request no node can hold is refused at once, naming the role and the
+them), `decide_curve` (`run.curve auto` decided from the nodes the services were placed on) \
+and `check_resources` (a request no node can hold is refused at once, naming the role and the
 resource, instead of waiting forever for a placement group).
 """
 
@@ -300,7 +301,8 @@ def check_resources(demands: list[tuple[str, list[dict], str]], nodes: list[dict
             best = max((n.get(res, 0.0) for n in nodes), default=0.0)
             if amount > best + 1e-9:
                 errors.append(f"role {role!r} asks for {fmt_res(res, amount)} per process, but no node of the "
-                              f"cluster has {fmt_res(res, amount)} (largest node: {fmt_res(res, best)}; cluster: {have})")
+                              f"cluster has {fmt_res(res, amount)} (largest node: {fmt_res(res, best)}; "
+                              f"cluster: {have})")
         if errors:
             continue
         if strategy == "STRICT_PACK":

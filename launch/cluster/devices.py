@@ -275,7 +275,7 @@ class RayDevices:
                         if n else 'num_gpus 0: CUDA_VISIBLE_DEVICES=""')
             lines.append(f"    {spec.name:<13} " + " ".join(x for x in (what, extra, flags) if x))
         if any(s.kind == "learner" for s in specs):
-            lines.append("    (learner ranks: CUDA_VISIBLE_DEVICES lists their node's learner GPUs in local-rank order; "
-                         "LOCAL_RANK picks)")
+            lines.append("    (learner ranks: CUDA_VISIBLE_DEVICES lists their node's learner GPUs in local-rank "
+                         "order; LOCAL_RANK picks)")
         lines += [f"  note: {n}" for n in self.notes]
         return lines

@@ -99,7 +99,8 @@ class Placement:
         """Every role's group and the GPU groups, before any role starts; the GPU ids of the latter."""
         seated = {k for k in ("buffer", "weight_sync", "scorer", "generator", "learner") if self.devices.seated(k)}
         groups = {kind: self.place(kind, bundles, strategy, self.rcfg.placement_timeout_s)
-                  for kind, bundles, strategy in self.demands() if kind not in seated and not kind.startswith("gpus of")}
+                  for kind, bundles, strategy in self.demands()
+                  if kind not in seated and not kind.startswith("gpus of")}
         for k, used, bundles in self.devices.gpu_bundles():
             g = self.place(self.gpu_group_name(k), bundles, "STRICT_PACK", self.rcfg.placement_timeout_s)
             g.devices = used
@@ -124,8 +125,10 @@ class Placement:
 
         task = self.ray.remote(bundle_gpu)
         env = {"env_vars": {"PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}}
-        refs = [task.options(num_cpus=0, num_gpus=1, runtime_env=env, scheduling_strategy=PlacementGroupSchedulingStrategy(
-            group.pg, placement_group_bundle_index=i)).remote() for i in range(len(group.bundles))]
+        refs = [task.options(num_cpus=0, num_gpus=1, runtime_env=env,
+                             scheduling_strategy=PlacementGroupSchedulingStrategy(
+                                 group.pg, placement_group_bundle_index=i)).remote()
+                for i in range(len(group.bundles))]
         ids = self.ray.get(refs, timeout=self.rcfg.placement_timeout_s)
         bad = [(d, i) for d, i in zip(group.devices, ids) if len(i) != 1]
         if bad:
@@ -148,7 +151,8 @@ class Placement:
         from ray.util import placement_group_table
 
         node_id = placement_group_table(group.pg).get("bundles_to_node_id", {}).get(index)
-        return next((n["NodeManagerAddress"] for n in self.ray.nodes() if n["NodeID"] == node_id and n.get("Alive")), "")
+        return next((n["NodeManagerAddress"] for n in self.ray.nodes() if n["NodeID"] == node_id and n.get("Alive")),
+                    "")
 
     def placed_now(self, slot: Slot) -> bool:
         """Whether the slot's bundle is on an alive node: after its node was lost, Ray places the

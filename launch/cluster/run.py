@@ -119,7 +119,8 @@ class RayRun:
         b = proc.slot.bundle  # (no GPU in a colocated layout's seat: the GPU group holds them)
         opts: dict[str, Any] = {
             "num_cpus": b.get("CPU", 0.0), "num_gpus": b.get("GPU", 0.0), "max_concurrency": 8, "max_restarts": 0,
-            "scheduling_strategy": PlacementGroupSchedulingStrategy(proc.slot.pg, placement_group_bundle_index=proc.slot.index),
+            "scheduling_strategy": PlacementGroupSchedulingStrategy(proc.slot.pg,
+                                                                    placement_group_bundle_index=proc.slot.index),
             "runtime_env": {"env_vars": {"PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}},
         }
         if b.get("memory"):
@@ -136,7 +137,8 @@ class RayRun:
         for n in self.ray.nodes():
             if n["NodeID"] == proc.node["node_id"] and n.get("NodeManagerAddress"):
                 proc.node["ip"] = n["NodeManagerAddress"]
-        proc.gpus = (self.placement.seat_gpus(proc.seat) if proc.seat is not None and self.devices.seated(proc.spec.kind)
+        proc.gpus = (self.placement.seat_gpus(proc.seat)
+                     if proc.seat is not None and self.devices.seated(proc.spec.kind)
                      else list(proc.node["gpu_ids"]))
         if self.devices.gpu_cluster:  # ("": an actor that reserved none would otherwise see every GPU)
             proc.env["CUDA_VISIBLE_DEVICES"] = ",".join(proc.gpus)

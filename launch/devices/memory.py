@@ -186,7 +186,8 @@ def demand_of(run) -> Demand:
         max_len = g.max_model_len or g.prompt_max_len + g.max_new_tokens
         kv = policy.kv_bytes_per_token * max_len / tp / GIB
         engine_need = weights + kv + ACTIVATION_GB
-        eparts = (f"weights {weights:.1f} + one {max_len}-token sequence's KV {kv:.2f} + activations {ACTIVATION_GB:.1f}"
+        eparts = (f"weights {weights:.1f} + one {max_len}-token sequence's KV {kv:.2f} "
+                  f"+ activations {ACTIVATION_GB:.1f}"
                   if policy.kv_bytes_per_token else f"weights {weights:.1f} + activations {ACTIVATION_GB:.1f} (KV: "
                                                     f"layers unknown without the folder)")
 

@@ -114,7 +114,8 @@ class DevicePlan:
         used = self.device_load()
         lines = [f"device plan: {self.layout}, {len(used)} of {n_gpus} GPU(s) on {len(self.nodes)} node(s)"
                  + ("" if self.memory_checked else " (memory not checked: see notes)")]
-        lines.append(f"  {'node':<8} {'gpu':<4} {'GiB':>6}  {'use GiB':>8}  processes (share of the device, estimated GiB)")
+        lines.append(f"  {'node':<8} {'gpu':<4} {'GiB':>6}  {'use GiB':>8}  "
+                     "processes (share of the device, estimated GiB)")
         for k, node in enumerate(self.nodes):
             for g in node.gpus:
                 on = used.get((k, g.index), [])

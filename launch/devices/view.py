@@ -34,7 +34,8 @@ def local_environment(devices, specs) -> list[str]:
     for spec in specs:
         extra = {k: v for k, v in spec.env.items() if k.startswith(("CUDA_", "CONVEYOR_CUDA"))}
         flags = " ".join(devices.overrides(spec.name))
-        lines.append(f"    {spec.name:<13} " + " ".join(f"{k}={v}" for k, v in extra.items()) + (f" {flags}" if flags else ""))
+        lines.append(f"    {spec.name:<13} " + " ".join(f"{k}={v}" for k, v in extra.items())
+                     + (f" {flags}" if flags else ""))
     return lines
 
 

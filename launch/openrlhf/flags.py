@@ -22,7 +22,8 @@ family, a warm-up ratio of the run's optimizer steps, a remote reward URL that a
 and the refusals land in `Run.extra` and are resolved by `launch.openrlhf.resolve.resolve`, which
 `run_config.finish` calls. The placement flags set process counts here (learner ranks, generators) and are read again
 by `launch.ray` for the resources (launch/cluster/config.py `ray_placement`); the colocation flags set
-`run.placement` (resolved together: `--train.colocate_all` wins over the two partial ones). Where a name is both a Conveyor key and an
+`run.placement` (resolved together: `--train.colocate_all` wins over the two partial ones). \
+Where a name is both a Conveyor key and an
 OpenRLHF flag (`--eval.dataset`, `--eval.split`, `--eval.temperature`, `--eval.n_samples_per_prompt`)
 it is Conveyor's key, which means the same.
 """

@@ -150,7 +150,8 @@ def encode_messages(tokenizer, messages: list[dict], train_on: str, use_chat_tem
         if template:
             # the prompt part ends with the generation prompt, as the generator renders it
             if msg["role"] == "assistant":
-                head = tokenizer.apply_chat_template(messages[:i], tokenize=False, add_generation_prompt=True) if i else ""
+                head = (tokenizer.apply_chat_template(messages[:i], tokenize=False, add_generation_prompt=True)
+                        if i else "")
                 if not head.startswith(rendered):
                     raise BadRow("the chat template renders an earlier turn differently once later ones follow")
                 _extend(tokenizer, head[len(rendered):], 0, ids, target, first=not ids)
@@ -225,7 +226,8 @@ def load_examples(path: str | Path, tokenizer, cfg, kind: str, keep: str = "head
                 raise row
             if kind == "sft":
                 msgs, all_turns = sft_conversation(row, cfg)
-                enc = encode_messages(tokenizer, msgs, "all" if all_turns else "last", cfg.use_chat_template, cfg.add_eos)
+                enc = encode_messages(tokenizer, msgs, "all" if all_turns else "last", cfg.use_chat_template,
+                                      cfg.add_eos)
                 enc, cut = truncate(enc, cfg.max_len, keep)
                 stats.truncated += cut
                 if not enc.num_targets:
@@ -271,7 +273,8 @@ def load_splits(tokenizer, cfg, kind: str, keep: str = "head") -> tuple[list, li
         random.Random(cfg.seed).shuffle(order)
         n_eval = max(1, int(round(cfg.eval_fraction * len(train))))
         if n_eval >= len(train):
-            raise DatasetError(f"{cfg.dataset}: eval_fraction={cfg.eval_fraction} of {len(train)} examples leaves none to train on")
+            raise DatasetError(f"{cfg.dataset}: eval_fraction={cfg.eval_fraction} of {len(train)} examples "
+                               "leaves none to train on")
         held_idx = set(order[:n_eval])
         held = [x for i, x in enumerate(train) if i in held_idx]
         train = [x for i, x in enumerate(train) if i not in held_idx]

@@ -22,7 +22,8 @@ from learner.offline.config import RMConfig
 from learner.offline.loop import Data, Trainer, pad_batch, run_trainer
 
 
-def bradley_terry_loss(chosen: torch.Tensor, rejected: torch.Tensor, margin: torch.Tensor | float = 0.0) -> torch.Tensor:
+def bradley_terry_loss(chosen: torch.Tensor, rejected: torch.Tensor,
+                       margin: torch.Tensor | float = 0.0) -> torch.Tensor:
     """Per-pair losses (B,) from the scores of the chosen and rejected sequences (B,)."""
     return -F.logsigmoid(chosen - rejected - margin)
 

@@ -190,7 +190,8 @@ def test_generator_config_errors_quote_the_values():
     from actors.config import GeneratorConfig
     from common.config import ConfigError, load_section
 
-    cfg = load_section(GeneratorConfig, "generator", None, ["--generator.model", "/m", "--generator.stop_token_ids", "2,7"])
+    cfg = load_section(GeneratorConfig, "generator", None,
+                       ["--generator.model", "/m", "--generator.stop_token_ids", "2,7"])
     assert cfg.stop_token_ids == [2, 7] and cfg.engine == "vllm"
     with pytest.raises(ConfigError) as e:
         load_section(GeneratorConfig, "generator", None,
@@ -311,8 +312,8 @@ def _play(vllm_engine, tiny_model_dir, n: int, raise_on: int = -1, max_turns: in
     prompt = vllm_engine.tokenizer.encode("12+34=")
     counts = Counter()
     played = run_episodes([PromptGroup(7, "12+34=", "46")], [prompt], n, vllm_engine,
-                          Sampling(temperature=1.0, max_tokens=4, seed=3), cfg, lambda: _Counter(raise_on, slow_on), generate,
-                          counts)
+                          Sampling(temperature=1.0, max_tokens=4, seed=3), cfg, lambda: _Counter(raise_on, slow_on),
+                          generate, counts)
     return played[7], turns, prompt, counts
 
 

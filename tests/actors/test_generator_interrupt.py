@@ -97,8 +97,8 @@ def test_interrupt_mode_loads_weights_into_the_running_batch(tmp_path, tiny_mode
     ws_port = free_port_block(1)
     svc = WeightSyncService(WeightSyncConfig(port=ws_port, mode="interrupt"))
     svc.start()
-    buffer, port = started(start_buffer(tmp_path, rows=PROMPTS, n_samples_per_prompt=N_SAMPLES, prompts_per_step=len(PROMPTS),
-                                shuffle_seed="none", lease_ttl_s=120))
+    buffer, port = started(start_buffer(tmp_path, rows=PROMPTS, n_samples_per_prompt=N_SAMPLES,
+                                        prompts_per_step=len(PROMPTS), shuffle_seed="none", lease_ttl_s=120))
     relay = BufferClient("127.0.0.1", port, timeout_s=10)
     relay.pull_rollouts(timeout_s=0.01)  # connect to the relay before anything is pushed
     # Long completions: the tiny random model emits eos at ~1% of tokens, so the longest of a lease's

@@ -154,8 +154,8 @@ def test_killed_generator_leases_are_reissued(tmp_path, tiny_model_dir):
 @pytest.mark.slow
 def test_sigterm_finishes_the_batch_in_flight_then_exits(tmp_path, tiny_model_dir):
     # max_staleness 0 and 2 prompts per step: the first lease of 2 groups is all the buffer admits
-    buffer, port = started(start_buffer(tmp_path, rows=PROMPTS, n_samples_per_prompt=2, prompts_per_step=2, max_staleness=0,
-                                shuffle_seed="none", lease_ttl_s=30))
+    buffer, port = started(start_buffer(tmp_path, rows=PROMPTS, n_samples_per_prompt=2, prompts_per_step=2,
+                                        max_staleness=0, shuffle_seed="none", lease_ttl_s=30))
     scorer, _ = start_role(tmp_path, "scorer", "scorer", port, reward_fn=ARITHMETIC, poll_s=0.2)
     gen, gen_log = start_role(tmp_path, "generator", "generator", port, model=tiny_model_dir,
                               engine="transformers", worker_id="gen-term", groups_per_lease=2, max_new_tokens=100)

@@ -148,8 +148,8 @@ def test_a_generator_with_an_openai_agent_pushes_its_sessions_as_rollouts(tmp_pa
     from demo.guess import make_problems
 
     rows = make_problems(4, seed=1)
-    buffer, port = started(start_buffer(tmp_path, rows=rows, n_samples_per_prompt=2, prompts_per_step=4, shuffle_seed="none",
-                                lease_ttl_s=30))
+    buffer, port = started(start_buffer(tmp_path, rows=rows, n_samples_per_prompt=2, prompts_per_step=4,
+                                        shuffle_seed="none", lease_ttl_s=30))
     scorer, _ = start_role(tmp_path, "scorer", "scorer", port, kinds="env", poll_s=0.2)
     gen, gen_log = start_role(tmp_path, "generator", "generator", port, model=tiny_model_dir, engine="transformers",
                               worker_id="gen-agent", groups_per_lease=4, max_new_tokens=3, stop_token_ids="88",

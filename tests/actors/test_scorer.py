@@ -354,8 +354,9 @@ def test_scorer_process_scores_for_the_buffer(tmp_path, tiny_model_dir):
                   "def reward_fn(p, c, l):\n"
                   "    if 'boom' in c:\n        raise ValueError('boom')\n"
                   "    return ar['reward_fn'](p, c, l)\n")
-    buffer, port = started(start_buffer(tmp_path, rows=[{"prompt": "12+34=", "label": "64"}, {"prompt": "1+1=", "label": "2"}],
-                                n_samples_per_prompt=2, prompts_per_step=1, shuffle_seed="none"))
+    buffer, port = started(start_buffer(tmp_path,
+                                        rows=[{"prompt": "12+34=", "label": "64"}, {"prompt": "1+1=", "label": "2"}],
+                                        n_samples_per_prompt=2, prompts_per_step=1, shuffle_seed="none"))
     scorer_log = open(tmp_path / "scorer.log", "w")
     scorer = subprocess.Popen(
         [sys.executable, "-m", "launch.scorer", "--scorer.kinds", "reward_fn,reference", "--scorer.reward_fn", str(fn),

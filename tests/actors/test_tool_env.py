@@ -146,10 +146,12 @@ def test_a_reward_function_file_scores_the_answer_and_one_that_raises_fails_the_
     ({"tools": ["calculator"], "formt": "tags"}, r"unknown argument\(s\) \['formt'\]"),
     ({"tools": ["calculator"], "format": "xml"}, r"tool format must be 'hermes' or 'tags', got 'xml'"),
     ({"tools": {"python": {"timeout": 1}}}, r"tool 'python' cannot take \{'timeout': 1\}"),
-    ({"tools": ["actors.tools.registry:ToolCall"]}, r"tool 'actors.tools.registry:ToolCall' is not a subclass of actors.tools.registry.Tool"),
+    ({"tools": ["actors.tools.registry:ToolCall"]},
+     r"tool 'actors.tools.registry:ToolCall' is not a subclass of actors.tools.registry.Tool"),
     ({"tools": ["calculator"], "max_calls": 0}, r"max_calls=0; expected a whole number >= 1"),
     ({"tools": ["calculator"], "reward": "nope.py"}, r"no such file 'nope.py'"),
-    ({"tools": ["calculator"], "reward": "actors.tools.registry:nothing"}, r"actors.tools.registry defines no 'nothing'"),
+    ({"tools": ["calculator"], "reward": "actors.tools.registry:nothing"},
+     r"actors.tools.registry defines no 'nothing'"),
 ])
 def test_bad_tool_env_arguments_are_refused_at_load(kwargs, why):
     with pytest.raises(EnvLoadError, match=r"generator\.env='tools': " + why):

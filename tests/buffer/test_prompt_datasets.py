@@ -83,7 +83,8 @@ def test_parquet_save_to_disk_and_hub_folders_give_the_same_prompts_by_split(tmp
     assert read(tmp_path / "named") == want["train"]
     assert read(tmp_path / "saved", "test") == read(tmp_path / "hub", "test") == want["test"]
     assert read(tmp_path / "named", "validation") == read(tmp_path / "named", "dev") == want["test"]
-    for folder, has in (("saved", "['test', 'train']"), ("hub", "['test', 'train']"), ("named", "['train', 'validation']")):
+    for folder, has in (("saved", "['test', 'train']"), ("hub", "['test', 'train']"),
+                        ("named", "['train', 'validation']")):
         with pytest.raises(PromptsError, match=f"no split 'other' .*{has}"):
             read(tmp_path / folder, "other")
 
@@ -309,7 +310,8 @@ def test_chat_prompts_from_parquet_and_save_to_disk_train_with_custom_keys(tiny_
     problems = make_problems(60, seed=1)
     write_parquet(tmp_path / "a.parquet", chat_rows(problems[:20]))
     datasets.DatasetDict({"train": datasets.Dataset.from_list(chat_rows(problems[20:40])),
-                          "test": datasets.Dataset.from_list(chat_rows(problems[40:]))}).save_to_disk(str(tmp_path / "b"))
+                          "test": datasets.Dataset.from_list(chat_rows(problems[40:]))}).save_to_disk(
+        str(tmp_path / "b"))
     run_dir = tmp_path / "run"
     steps = 3
     proc = subprocess.run(
@@ -317,7 +319,8 @@ def test_chat_prompts_from_parquet_and_save_to_disk_train_with_custom_keys(tiny_
          "--learner.model_path", str(model), "--learner.total_steps", str(steps), "--learner.save_every", "0",
          "--buffer.prompts", f"{tmp_path / 'a.parquet'},{tmp_path / 'b'}", "--buffer.prompt_probs", "0.5", "0.5",
          "--buffer.input_key", "question", "--buffer.label_key", "answer", "--buffer.prompts_per_step", "4",
-         "--buffer.n_samples_per_prompt", "4", "--generator.groups_per_lease", "4", "--generator.use_chat_template", "true"],
+         "--buffer.n_samples_per_prompt", "4", "--generator.groups_per_lease", "4",
+         "--generator.use_chat_template", "true"],
         cwd=ROOT, env=subprocess_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-4000:]
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]

@@ -131,7 +131,7 @@ def test_rollouts_from_a_future_version_are_refused(tmp_path):
 
 def test_diagnosis_names_admission_and_silent_producers(tmp_path):
     s = make_state(tmp_path)  # 2 per step, staleness 1: 4 live at version 0
-    g = s.lease("gen", 4, now=0.0, version=0)
+    s.lease("gen", 4, now=0.0, version=0)
     m = s.metrics(now=100.0)
     why = describe_wait(m)
     assert "admission limit reached at version 0 (4 live groups, limit 4)" in why
@@ -155,7 +155,7 @@ def _history_log(tmp_path):
 def test_a_log_cut_at_any_byte_restores_cleanly(tmp_path):
     data = _history_log(tmp_path)
     full = StateStore.read(tmp_path / "state" / "buffer.log")
-    ends, offset = [], 0
+    ends = []
     unpacker = msgpack.Unpacker(raw=False, strict_map_key=False)
     unpacker.feed(data)
     for _ in unpacker:

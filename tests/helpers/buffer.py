@@ -83,7 +83,8 @@ def start_buffer(tmp_path: Path, n_prompts: int = 64, extra: tuple = (), config:
         ready = tmp_path / f"buffer-{port}.ready"
         args = [a for k, v in cfg.items() for a in (f"--buffer.{k}", str(v))]
         head = [str(config)] if config else []
-        proc = subprocess.Popen([sys.executable, "-m", "launch.buffer", *head, "--buffer.port", str(port), *args, *extra],
+        proc = subprocess.Popen([sys.executable, "-m", "launch.buffer", *head, "--buffer.port", str(port),
+                                 *args, *extra],
                                 cwd=ROOT, stdout=subprocess.DEVNULL, stderr=open(log, "w"), text=True,
                                 env={**os.environ, "PYTHONPATH": str(ROOT), READY_ENV: str(ready)})
         deadline = time.monotonic() + 30

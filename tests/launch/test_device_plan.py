@@ -229,8 +229,9 @@ def test_every_role_process_gets_its_devices(quick_start_files, monkeypatch):
 
     monkeypatch.setenv("CONVEYOR_FAKE_GPUS", "4")
     run = load_run_config(None, ["--learner.model_path", quick_start_files["model"], "--buffer.prompts",
-                                 quick_start_files["prompts"], "--scorer.reward_fn", REWARD, "--run.num_generators", "2",
-                                 "--run.learner_ranks", "2", "--buffer.prompts_per_step", "4"])
+                                 quick_start_files["prompts"], "--scorer.reward_fn", REWARD,
+                                 "--run.num_generators", "2", "--run.learner_ranks", "2",
+                                 "--buffer.prompts_per_step", "4"])
     devices = device_plan(run)
     specs = {s.name: s for s in plan(run, "local", RestartPolicy(), devices)}
     assert specs["buffer"].env["CUDA_VISIBLE_DEVICES"] == "" and specs["weight_sync"].env["CUDA_VISIBLE_DEVICES"] == ""

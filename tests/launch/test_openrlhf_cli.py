@@ -212,11 +212,14 @@ def test_legacy_and_dotted_names_set_the_same_config(files):
              "ckpt_path", "use_wandb", "wandb_project", "use_tensorboard", "normalize_reward",
              "gradient_checkpointing", "flash_attn", "adam_offload"]
     assert [n for n in quick_start_names + usual if spec(n) is None] == []
-    pairs = [("--vllm_num_engines", "--vllm.num_engines", "2"), ("--n_samples_per_prompt", "--rollout.n_samples_per_prompt", "2"),
+    pairs = [("--vllm_num_engines", "--vllm.num_engines", "2"),
+             ("--n_samples_per_prompt", "--rollout.n_samples_per_prompt", "2"),
              ("--rollout_batch_size", "--rollout.batch_size", "4"), ("--train_batch_size", "--train.batch_size", "4"),
              ("--micro_train_batch_size", "--train.micro_batch_size", "2"), ("--eps_clip", "--actor.eps_clip", "0.3"),
-             ("--lambd", "--algo.advantage.lambd", "0.95"), ("--advantage_estimator", "--algo.advantage.estimator", "gae"),
-             ("--critic_pretrain", "--critic.model_name_or_path", files["model"]), ("--l2", "--actor.adam.weight_decay", "0.1"),
+             ("--lambd", "--algo.advantage.lambd", "0.95"),
+             ("--advantage_estimator", "--algo.advantage.estimator", "gae"),
+             ("--critic_pretrain", "--critic.model_name_or_path", files["model"]),
+             ("--l2", "--actor.adam.weight_decay", "0.1"),
              ("--max_norm", "--actor.max_norm", "0.5"), ("--save_steps", "--ckpt.save_steps", "3"),
              ("--input_key", "--data.input_key", "question"), ("--max_len", "--data.max_len", "900"),
              ("--gradient_checkpointing", "--actor.gradient_checkpointing_enable", None),
@@ -239,7 +242,8 @@ def test_quick_start_parses_through_launch_local_and_launch_ray(files):
         assert r.scorer.kinds == ["reward_model", "reference"]  # the KL needs the reference; no reward_fn
         assert Path(r.run.run_dir).name == "checkpoint" and r.learner.lr == 5e-7 and r.learner.kl_coef == 0.01
         # 8 prompts x 4 samples: 2 optimizer steps of 16 samples, each 4 forwards of 4
-        assert (r.buffer.prompts_per_step, r.learner.num_mini_batches, r.learner.gradient_accumulation_steps) == (8, 2, 4)
+        assert (r.buffer.prompts_per_step, r.learner.num_mini_batches,
+                r.learner.gradient_accumulation_steps) == (8, 2, 4)
         assert (r.generator.groups_per_lease, r.generator.prompt_max_len, r.generator.max_new_tokens) == (4, 64, 16)
         assert r.learner.ppo_epochs == 1 and r.generator.tensor_parallel_size == 1
     # on Ray the placement flags set process counts; GPUs come from the device plan (next test)

@@ -143,7 +143,8 @@ def test_plan_of_openrlhfs_colocated_8_gpu_quick_start_fits_in_8_gpus(monkeypatc
     assert out.startswith("device plan: colocate, 8 of 8 GPU(s) on 1 node(s)")
     for i in range(4):  # engines of 2 GPUs at OpenRLHF's share, each beside two learner ranks
         assert f"generator-{i}   node node0 gpu {2 * i},{2 * i + 1}" in out
-        assert f"<the ids Ray gave the bundles of gpu {2 * i},{2 * i + 1}> --generator.gpu_memory_utilization 0.600" in out
+        assert (f"<the ids Ray gave the bundles of gpu {2 * i},{2 * i + 1}> "
+                "--generator.gpu_memory_utilization 0.600") in out
     assert all(f"learner-{r}     node node0 gpu {r} " in out for r in range(8))
     assert 'buffer        num_gpus 0: CUDA_VISIBLE_DEVICES=""' in out
     assert not (tmp_path / "ckpt").exists()  # nothing written, no cluster joined

@@ -105,7 +105,8 @@ def test_resource_check_names_the_role_and_the_resource():
     with pytest.raises(ResourceError, match=r"role 'generator' asks for GPU 4 per process.*largest node: GPU 2"):
         check_resources([("generator", [{"CPU": 1.0, "GPU": 4.0}], "PACK")], two_nodes)
     # each bundle fits, the sum does not: the roles asking are listed
-    with pytest.raises(ResourceError, match=r"GPU 5 in all \(learner 4 x GPU 1; generator 1 x GPU 1\).*cluster has GPU 4"):
+    with pytest.raises(ResourceError,
+                       match=r"GPU 5 in all \(learner 4 x GPU 1; generator 1 x GPU 1\).*cluster has GPU 4"):
         check_resources([("learner", [{"CPU": 1.0, "GPU": 1.0}] * 4, "PACK"),
                          ("generator", [{"CPU": 1.0, "GPU": 1.0}], "PACK")], two_nodes)
     # STRICT_PACK wants one node for all of a role's bundles; STRICT_SPREAD one node each
@@ -155,10 +156,12 @@ def test_failures_give_exit_codes_and_only_core_roles_are_resumed(tmp_path):
 
     # a learner, buffer or weight-sync failure: the run starts again with learner.resume, while resumes last
     run = run_with(2)
-    assert with_auto_resume(run, ends([RunFailed("learner", "-9"), RunFailed("buffer", "-9"), 0]), said.append) == (0, 2)
+    assert with_auto_resume(run, ends([RunFailed("learner", "-9"), RunFailed("buffer", "-9"), 0]),
+                            said.append) == (0, 2)
     assert run.learner.resume is True and said[-1].startswith("auto-resume 2/2: exit code 3")
     run = run_with(1)
-    assert with_auto_resume(run, ends([RunFailed("weight_sync", "x"), RunFailed("learner", "y")]), said.append) == (5, 1)
+    assert with_auto_resume(run, ends([RunFailed("weight_sync", "x"), RunFailed("learner", "y")]),
+                            said.append) == (5, 1)
     # a generator/scorer failure, a stall, Ctrl-C: never resumed
     for outcome, code in ((RunFailed("generator", "every generator has exited"), 6), (Stalled("s"), 8),
                           (KeyboardInterrupt("SIGTERM received"), 130)):
@@ -223,8 +226,9 @@ def cluster():
     port = free_port_block(1)
     log_path = Path(temp) / "head.log"
     log = open(log_path, "wb")
-    head = subprocess.Popen([RAY, "start", "--head", "--block", "--num-cpus", "4", "--num-gpus", "0", "--port", str(port),
-                             "--temp-dir", temp, "--include-dashboard", "false", "--disable-usage-stats"],
+    head = subprocess.Popen([RAY, "start", "--head", "--block", "--num-cpus", "4", "--num-gpus", "0",
+                             "--port", str(port), "--temp-dir", temp, "--include-dashboard", "false",
+                             "--disable-usage-stats"],
                             stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=ray_env(),
                             start_new_session=True)
     log.close()

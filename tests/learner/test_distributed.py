@@ -5,7 +5,8 @@ prompt groups, pushes fabricated scored rollouts answering it), then launches tw
 `deepspeed --num_gpus 2` running `launch.learner`. A small driver around `launch.learner.main`
 records, per rank, which groups its shares held and a hash of its full parameters after the final
 checkpoint. Asserted: rank 0 signalled ready (the ready file) for a world of two, the shares are
-disjoint whole groups covering each step's batch, both ranks end with identical weights, the HF checkpoint holds exactly those weights, and the buffer was told
+disjoint whole groups covering each step's batch, both ranks end with identical weights, the HF \
+checkpoint holds exactly those weights, and the buffer was told
 the new version.
 """
 

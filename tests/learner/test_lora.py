@@ -69,7 +69,8 @@ def test_lora_run_saves_peft_adapters_and_resumes_as_an_uninterrupted_run(tiny_m
 
     from learner.trainer import train
 
-    steps = {s: make_group(2 * s, 4, [1.0, 0.0, 0.5, 0.2], seed=s) + make_group(2 * s + 1, 4, [0.0, 1.0, 1.0, 0.3], seed=s)
+    steps = {s: make_group(2 * s, 4, [1.0, 0.0, 0.5, 0.2], seed=s)
+                + make_group(2 * s + 1, 4, [0.0, 1.0, 1.0, 0.3], seed=s)
              for s in range(3)}
     whole, cut = tmp_path / "whole", tmp_path / "cut"
     train(lora_config(tiny_model_dir, whole, total_steps=3, zero_stage=2), source=ListSource(steps))
@@ -117,7 +118,8 @@ def test_lora_kl_reference_comes_from_the_base_inside_the_learner(tiny_model_dir
     its own base (adapter off): the KL is 0 while the adapter is still zero, and grows as it trains."""
     from learner.trainer import train
 
-    steps = {s: make_group(2 * s, 4, [1.0, 0.0, 0.5, 0.2], seed=s) + make_group(2 * s + 1, 4, [0.0, 1.0, 1.0, 0.3], seed=s)
+    steps = {s: make_group(2 * s, 4, [1.0, 0.0, 0.5, 0.2], seed=s)
+                + make_group(2 * s + 1, 4, [0.0, 1.0, 1.0, 0.3], seed=s)
              for s in range(3)}
     run_dir = tmp_path / "kl"
     train(lora_config(tiny_model_dir, run_dir, total_steps=3, zero_stage=2, kl_coef=0.1, packing=True),

@@ -4,7 +4,8 @@ requests to the weight-sync service. Seeded, so a failure reproduces.
 
 What must hold for each: the receiving side refuses every malformed message with a counted
 `ProtocolError`, never another exception (the relay checks a message's envelope and leaves its
-rollouts to the scorer, so on that path the two count between them); it keeps serving; and every valid message sent among the
+rollouts to the scorer, so on that path the two count between them); it keeps serving; and \
+every valid message sent among the
 junk arrives, unchanged. The scorer and the buffer are real processes; the far side of each is a
 raw ZeroMQ socket in the test that sends what no honest peer would.
 """
@@ -45,7 +46,8 @@ def _junk(rng: random.Random, seeds: list[list[bytes]]) -> list[bytes]:
 def _same(a: Rollout, b: Rollout) -> bool:
     return ((a.group_id, a.sample_index, a.lease_id, a.prompt, a.completion) ==
             (b.group_id, b.sample_index, b.lease_id, b.prompt, b.completion)
-            and np.array_equal(a.completion_ids, b.completion_ids) and np.array_equal(a.behav_logprobs, b.behav_logprobs))
+            and np.array_equal(a.completion_ids, b.completion_ids)
+            and np.array_equal(a.behav_logprobs, b.behav_logprobs))
 
 
 def test_the_relay_refuses_junk_from_generators_and_forwards_every_valid_message(tmp_path):

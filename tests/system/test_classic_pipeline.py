@@ -14,7 +14,8 @@ from tests.helpers.procs import ROOT, subprocess_env
 @pytest.mark.slow
 def test_quick_classic_pipeline_beats_the_sft_start(tmp_path):
     out = tmp_path / "classic"
-    proc = subprocess.run([sys.executable, str(ROOT / "examples" / "classic_pipeline.py"), "--quick", "--out", str(out)],
+    proc = subprocess.run([sys.executable, str(ROOT / "examples" / "classic_pipeline.py"),
+                           "--quick", "--out", str(out)],
                           capture_output=True, text=True, cwd=ROOT, env=subprocess_env(), timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     summary = json.loads((out / "summary.json").read_text())

@@ -190,7 +190,8 @@ def test_final_checkpoint_loads_in_transformers_and_vllm(async_run, warm_setup, 
         if __name__ == "__main__":
             from vllm import LLM, SamplingParams
             llm = LLM({str(ckpt)!r}, dtype="float32", enforce_eager=True)
-            o = llm.generate([{{"prompt_token_ids": {ids}}}], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
+            o = llm.generate([{{"prompt_token_ids": {ids}}}], \
+SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
             print("RESULT " + json.dumps(list(o[0].outputs[0].token_ids)))
     """))
     proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=600,

@@ -326,7 +326,7 @@ def test_disk_round_and_disk_catch_up(tmp_path, tiny_model_dir, seed1_model_dir)
 # ---------------------------------------------------------------------------------------------
 # the plan load (actors.engines.vllm.load) against vLLM's own load_weights
 
-_DIRECT_COPY_CHECK = r"""
+_DIRECT_COPY_CHECK = (r"""
 import json, os, sys, tempfile
 import torch
 from safetensors.torch import load_file
@@ -358,7 +358,8 @@ for m in (*by_load.modules(), *by_copy.modules()):
     if getattr(m, "quant_method", None) is not None:
         m.quant_method.process_weights_after_loading(m)
 staging = {}
-layers = {n: m for n, m in by_copy.named_modules() if hasattr(m, "cpu_linear") and hasattr(m, "input_size_per_partition")}
+layers = {n: m for n, m in by_copy.named_modules() if hasattr(m, "cpu_linear") """
+r"""and hasattr(m, "input_size_per_partition")}
 ref = dict(by_load.named_modules())
 x = {n: torch.randn(3, m.input_size_per_partition) for n, m in layers.items()}
 def outputs(model_layers):
@@ -377,14 +378,15 @@ out.update(repacked=len(plan.rebind), layers=len(layers), dropped=sum(m.weight.n
            half_ok=all(torch.allclose(got_half[n], 0.5 * want[n], atol=1e-5) for n in layers),
            back_ok=all(torch.allclose(got[n], want[n], atol=1e-6) for n in layers))
 print(json.dumps(out))
-"""
+""")
 
 
 def test_direct_copy_load_equals_load_weights(tiny_model_dir):
     """vLLM's Llama (its own class, one rank): copying the received tensors into the parameters
     through `load_plan` (fused qkv / gate_up rows, the padded vocabulary) gives exactly the
     parameters its `load_weights` gives; and once the CPU build has repacked the linear layers for
-    oneDNN (generator.cpu_linear packed), a round repacks each from its new weight. (Run in a child: vLLM's parallel state is process-wide.)"""
+    oneDNN (generator.cpu_linear packed), a round repacks each from its new weight. \
+(Run in a child: vLLM's parallel state is process-wide.)"""
     out = subprocess.run([sys.executable, "-c", _DIRECT_COPY_CHECK, str(tiny_model_dir)],
                          env={**subprocess_env(), "CONVEYOR_CPU_LINEAR": "packed"},
                          capture_output=True, text=True, timeout=300, cwd=str(ROOT))

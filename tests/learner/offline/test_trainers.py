@@ -188,7 +188,8 @@ def test_ipo_on_the_fly_reference_starts_at_the_hand_worked_loss(tmp_path, arith
     assert out["eval_start"]["eval/loss"] == pytest.approx(1.0, abs=1e-6)
     assert out["eval_start"]["eval/margin"] == 0.0 and out["eval_start"]["eval/nll"] > 0
     assert out["steps_run"] == 2 and out["eval_end"]["eval/margin"] != 0.0
-    assert out["train_last"]["loss/total"] == pytest.approx(out["train_last"]["loss/dpo"] + 0.5 * out["train_last"]["loss/nll"], rel=1e-5)
+    assert out["train_last"]["loss/total"] == pytest.approx(
+        out["train_last"]["loss/dpo"] + 0.5 * out["train_last"]["loss/nll"], rel=1e-5)
 
 
 def test_reward_model_learns_heldout_pairs_and_the_scorer_loads_it(tmp_path, arithmetic_data):
@@ -294,7 +295,8 @@ def test_two_ranks_zero3_match_one_rank(tmp_path, tiny_model_dir):
     args = dict(dataset=str(data), eval_dataset=str(held), batch_size=4, micro_batch_size=1, lr=1e-3, epochs=2,
                 beta=0.5)
     one = dpo.train(DPOConfig(**common(tmp_path, tiny_model_dir, "one", **args)))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port_block(1)),
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+           "--master_port", str(free_port_block(1)),
            "-m", "launch.dpo", "--pretrain", str(tiny_model_dir), "--dataset", str(data), "--eval_dataset", str(held),
            "--train_batch_size", "4", "--micro_train_batch_size", "1", "--learning_rate", "1e-3", "--max_epochs", "2",
            "--beta", "0.5", "--zero_stage", "3", "--save_path", str(tmp_path / "two"), "--warmup_ratio", "0",
