@@ -25,6 +25,8 @@ STAMP  := $(VENV)/.installed-$(STACK)$(if $(and $(filter gpu,$(STACK)),$(TORCH_C
 # PyTorch's CPU wheels live on their own index; it is consulted only when the default indexes lack them.
 TORCH_CPU_INDEX ?= https://download.pytorch.org/whl/cpu
 PYTEST_ARGS ?=
+# two workers: a module's tests stay on one, Ray and network-namespace modules one at a time (tests/conftest.py)
+PYTEST_WORKERS ?= -n 2 --dist loadgroup
 
 .PHONY: install check-cuda demo demo-agent test test-fast lint bench clean help
 
@@ -82,7 +84,7 @@ lint: install
 	$(VENV)/bin/ruff check .
 
 test: lint
-	$(PY) -m pytest $(PYTEST_ARGS)
+	$(PY) -m pytest $(PYTEST_WORKERS) $(PYTEST_ARGS)
 
 test-fast: lint
 	$(PY) -m pytest -m "not slow" $(PYTEST_ARGS)

@@ -165,12 +165,11 @@ def main() -> None:
     from safetensors.torch import load_file
 
     from demo.tiny_model import build_tiny_model
+    from launch.ports import free_port_block
+    from tests.helpers.procs import subprocess_env
     from weight_sync.config import WeightSyncConfig
     from weight_sync.sender import WeightSender
     from weight_sync.service import WeightSyncService
-
-    sys.path.insert(0, str(ROOT / "tests"))
-    from conftest import free_port_block, subprocess_env
 
     tmp = tempfile.mkdtemp(prefix="conveyor_bench_ws_")
     t0 = time.monotonic()

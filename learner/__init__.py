@@ -1,5 +1,12 @@
-"""Learner: losses, advantage estimators, the DeepSpeed engine and the training loops.
+"""The learner: DeepSpeed ranks that train the policy off-policy from the buffer's batches.
 
-The model helpers (`learner.modeling`) are light (no DeepSpeed import) so that scorers,
-generators and tests can use them.
+Reading order: `trainer.py` (one rank's loop, `run` -> `train`, read top to bottom: a batch from
+`source.py`, tensors from `batching.py` and `packing.py`, advantages from `advantages.py`, the
+losses of `losses.py`, a DeepSpeed step set up by `engine.py`, a weight publish through
+`weight_sync`, a checkpoint by `checkpoint.py`, the ledger's row by `ledger.py`, metrics by
+`metrics.py`); `config.py` (section `learner:`); `lora.py` (adapters); `modeling.py` (loading and
+token log-probs, light: no DeepSpeed import, so scorers and generators use it too). Then
+`offline/`: the SFT, DPO and reward-model trainers, which share `engine.py` and `metrics.py`.
+
+Imports `buffer`, `weight_sync` and `common`.
 """

@@ -317,6 +317,7 @@ def _play(vllm_engine, tiny_model_dir, n: int, raise_on: int = -1, max_turns: in
     return played[7], turns, prompt, counts
 
 
+@pytest.mark.slow
 def test_a_multi_turn_episode_is_the_policys_ids_and_the_environments_ids_as_they_were(vllm_engine, hf, tiny_model_dir):
     """Three turns against a scripted environment: the rollout's completion is, id for id, what the
     engine sampled each turn with the environment's encoded answers between them (never the text
@@ -347,6 +348,7 @@ def test_a_multi_turn_episode_is_the_policys_ids_and_the_environments_ids_as_the
         assert gap < TOL, gap
 
 
+@pytest.mark.slow
 def test_a_broken_environment_fails_its_episode_only_and_turns_are_bounded(vllm_engine, tiny_model_dir):
     episodes, _, _, counts = _play(vllm_engine, tiny_model_dir, n=3, raise_on=1)
     assert [e.failure is not None for e in episodes] == [False, True, False]
@@ -397,6 +399,7 @@ async def _openai_agent(base_url: str, row):
         return None if row.label == "silent" else 1.0
 
 
+@pytest.mark.slow
 def test_openai_endpoint_records_the_engines_ids_and_the_agents_exactly(vllm_engine, hf, tiny_model_dir):
     """Agents on the `openai` client, over real HTTP, two sessions per prompt at once: each session's
     rollout is, id for id, what the engine sampled for it with its own agent's added ids between

@@ -361,7 +361,8 @@ def test_state_folder_size_does_not_grow_with_the_run(tmp_path):
     # further into the run) stay within 1.5x of each other: it follows what is in flight.
     state = tmp_path / "state"
     b = start_buffer(tmp_path, n_prompts=2000, prompts_per_step=4, n_samples_per_prompt=2, max_staleness=0,
-                     state_dir=str(state), compact_mb=0.05, log_level="info")
+                     state_dir=str(state), compact_mb=0.05, log_level="info",
+                     log_interval_s=3600)  # (no summary's counters record: the log is what the requests wrote)
 
     def folder_bytes() -> int:
         return sum(p.stat().st_size for p in state.iterdir() if p.is_file())
@@ -375,8 +376,8 @@ def test_state_folder_size_does_not_grow_with_the_run(tmp_path):
                 c.get_batch(step, timeout_s=5)
                 c.set_version(step + 1)
                 # The buffer compacts at the end of the loop pass that answered set_version: one more
-                # round trip, and that pass (and any compaction) is over. Without it the size was
-                # read before or after the compaction by chance (62 KB or 94 KB at the same step).
+                # round trip, and that pass (and any compaction) is over. Without it, or with the
+                # timed summary's records in the log, the size at a step was 62 KB or 94 KB by chance.
                 c.metrics()
                 sizes[step] = folder_bytes()
             m = c.metrics()
@@ -385,6 +386,10 @@ def test_state_folder_size_does_not_grow_with_the_run(tmp_path):
     early = max(sizes[s] for s in range(15, 30))
     late = max(sizes[s] for s in range(285, 300))
     assert m["buffer/served_groups"] == 1200
-    assert late <= 1.5 * early, (early, late)
+    # The log is compacted every second or third step, by where the 0.05 MB threshold falls among a
+    # step's records; a window's peak is then 62 KB or 94 KB (two or three steps of rollouts), in
+    # either window, in about one run of six. 94/62 = 1.50: the bar is 1.6, and the size is also
+    # held to the threshold's scale below; a log that grew with the run would be ~6 MB by the end.
+    assert late <= 1.6 * early, (early, late)
     assert sizes[299] < 4 * 0.05e6  # and about the threshold, not 300 steps of rollouts (~6 MB)
     print(f"state folder: max {early} bytes over steps 15-30, {late} over steps 285-300")

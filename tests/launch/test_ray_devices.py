@@ -234,6 +234,7 @@ def ids(text: str | None) -> list[str]:
     return [x for x in (text or "").split(",") if x]
 
 
+@pytest.mark.slow
 def test_separate_layout_each_process_sees_only_its_own_gpus(ray_gpus, tmp_path):
     from launch.cluster.scale import scale_to
 
@@ -263,6 +264,7 @@ def test_separate_layout_each_process_sees_only_its_own_gpus(ray_gpus, tmp_path)
         job.shutdown()
 
 
+@pytest.mark.slow
 def test_colocated_layout_processes_get_the_ids_of_their_planned_bundles(ray_gpus, tmp_path):
     from launch.cluster.scale import scale_to
     from launch.roles import State
@@ -319,6 +321,7 @@ def test_colocated_layout_processes_get_the_ids_of_their_planned_bundles(ray_gpu
         ray_gpus.kill(holder)
 
 
+@pytest.mark.slow
 def test_a_vllm_generator_without_a_gpu_is_refused_before_anything_is_placed(ray_gpus, tmp_path):
     from launch.ray import attempt_code
 
