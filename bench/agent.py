@@ -42,13 +42,19 @@ class Tool:
         return (" ok.", 0.0, self.turn >= self.turns, {})
 
 
+FLAGS = {  # flag: (type, default, help)
+    "--episodes": (int, 256, "episodes per measurement, all in flight at once"),
+    "--turns": (int, 3, "policy turns per episode"),
+    "--tokens": (int, 16, "tokens per policy turn"),
+    "--tool-ms": (float, 100.0, "how long the environment takes to answer a turn"),
+    "--repeats": (int, 2, "measurements of each mode (the best is kept)"),
+}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--episodes", type=int, default=256)
-    ap.add_argument("--turns", type=int, default=3)
-    ap.add_argument("--tokens", type=int, default=16)
-    ap.add_argument("--tool-ms", type=float, default=100.0)
-    ap.add_argument("--repeats", type=int, default=2)
+    for flag, (kind, default, what) in FLAGS.items():
+        ap.add_argument(flag, type=kind, default=default, help=f"{what} (default {default})")
     args = ap.parse_args()
 
     from actors.config import GeneratorConfig

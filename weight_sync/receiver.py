@@ -214,7 +214,7 @@ def receive_streaming(info: RoundInfo, load, local_rank: int = 0, device: Any = 
     is the caller's list, kept between rounds), not into buffers for the whole model: bucket j
     lands in area j % count, `load(named)` takes its (name, view) pairs (copying them into the
     engine), and only then is bucket j + count received into the same area. So the member's extra
-    memory is `count` x the largest bucket, whatever the model's size (test_weight_sync_memory.py
+    memory is `count` x the largest bucket, whatever the model's size (tests/weight_sync/test_memory.py
     counts it). With the default two areas, bucket j + 1 arrives while bucket j is loaded.
 
     Order on a CUDA device: `work.wait()` of an NCCL broadcast returns once the output can be used

@@ -16,14 +16,7 @@ import pytest
 import zmq
 
 from buffer.client import BufferDone, BufferError, ResumeNeeded
-from buffer.messages import (
-    Ack,
-    BatchRequest,
-    ScoredMsg,
-    Wait,
-    decode,
-    encode,
-)
+from buffer.messages import Ack, BatchRequest, ScoredMsg, Wait, decode, encode
 from buffer.store import StateStore
 from launch.ports import free_port_block as free_base_port
 from tests.helpers.buffer import answer, group_ids, scored, start_buffer, write_prompts
