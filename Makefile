@@ -26,7 +26,7 @@ STAMP  := $(VENV)/.installed-$(STACK)$(if $(and $(filter gpu,$(STACK)),$(TORCH_C
 TORCH_CPU_INDEX ?= https://download.pytorch.org/whl/cpu
 PYTEST_ARGS ?=
 # two workers: a module's tests stay on one, Ray and network-namespace modules one at a time (tests/conftest.py)
-PYTEST_WORKERS ?= -n 2 --dist loadgroup
+PYTEST_WORKERS ?= -n 2
 
 .PHONY: install check-cuda demo demo-agent test test-fast lint bench clean help
 

@@ -66,16 +66,21 @@ def weight_sync_service():
     svc.stop()
 
 
-# `make test` runs the suite on two workers (pytest-xdist, `--dist loadgroup`). A module's tests stay
-# together on one worker, so a module-scoped run (tests/system/test_e2e.py's) is made once; the
-# modules that start a Ray cluster or network namespaces share one group, so that no two run at once.
+# `make test` runs the suite on two workers (pytest-xdist, `-n 2`), a module at a time: a module's
+# tests stay together on one worker, so a module-scoped run (tests/system/test_e2e.py's) is made
+# once, and the modules that start a Ray cluster or network namespaces are one unit, so that no two of
+# them run at once. (xdist's own `--dist loadgroup` does not group under pytest 9: it renames items
+# through an attribute pytest no longer reads.)
 ONE_AT_A_TIME = {"test_two_node.py", "test_ray_devices.py", "test_ray_launcher.py", "test_openrlhf_cli.py",
                  "test_curve_two_hosts.py"}
 
 
-@pytest.hookimpl(tryfirst=True)
-def pytest_collection_modifyitems(config, items):
-    for item in items:
-        if item.get_closest_marker("xdist_group") is None:
-            group = "cluster" if item.path.name in ONE_AT_A_TIME else item.path.relative_to(ROOT).as_posix()
-            item.add_marker(pytest.mark.xdist_group(group))
+def pytest_xdist_make_scheduler(config, log):
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ByModule(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            module = nodeid.split("::", 1)[0]
+            return "cluster" if Path(module).name in ONE_AT_A_TIME else module
+
+    return ByModule(config, log)
