@@ -66,7 +66,7 @@ def weight_sync_service():
     svc.stop()
 
 
-# `make test` runs the suite on two workers (pytest-xdist, `-n 2`), a module at a time: a module's
+# On two workers (pytest-xdist, `make test PYTEST_WORKERS="-n 2"`) the suite is scheduled a module at a time: a module's
 # tests stay together on one worker, so a module-scoped run (tests/system/test_e2e.py's) is made
 # once, and the modules that start a Ray cluster or network namespaces are one unit, so that no two of
 # them run at once. (xdist's own `--dist loadgroup` does not group under pytest 9: it renames items
