@@ -175,7 +175,9 @@ class ScorerConfig(BufferAddress):
     the generators play an environment)."""
 
     reward_fn: str = ""
-    """Path of a Python file that defines `reward_fn(prompts, completions, labels) -> list[float]`."""
+    """Path of a Python file that defines `reward_fn(prompts, completions, labels) -> list[float]`, or
+    OpenRLHF's `reward_func(queries, prompts, labels)` returning a tensor or `{"rewards", "scores",
+    "extra_logs"}` (`reward_fn` wins if both are defined; see actors/reward_files.py)."""
     reward_fn_weight: float = Field(1.0, allow_inf_nan=False)
     """Weight of the reward function's score in `reward`."""
     reward_fn_timeout_s: float = Field(60.0, gt=0, allow_inf_nan=False)
@@ -189,9 +191,15 @@ class ScorerConfig(BufferAddress):
     """Weight of the reward model's score in `reward`."""
     reward_model_max_len: int = Field(1024, ge=2)
     """Prompt + completion tokens the reward model sees at most (the tail is kept)."""
+    reward_normalize: bool = False
+    """The reward model's score as (raw - mean) / std with the `mean` and `std` its config.json holds
+    (OpenRLHF's reward model training stores them; `--reward.normalize_enable`); a folder without them
+    is refused at start."""
 
-    remote_url: str = ""
-    """HTTP endpoint taking POST `{"prompts", "completions", "labels"}` and answering `{"rewards": [...]}`."""
+    remote_url: str | list[str] = ""
+    """HTTP endpoint taking POST `{"prompts", "completions", "labels"}` and answering `{"rewards": [...]}`
+    (`remote_protocol` names the other protocol); several (a list, or comma-separated) share each
+    message, one contiguous shard per URL (`remote_urls`)."""
     remote_weight: float = Field(1.0, allow_inf_nan=False)
     """Weight of the remote reward in `reward`."""
     remote_timeout_s: float = Field(30.0, gt=0)
@@ -200,6 +208,17 @@ class ScorerConfig(BufferAddress):
     """Attempts per batch before its samples are marked failed."""
     remote_backoff_s: float = Field(0.5, ge=0)
     """Wait before the second attempt; doubled before each later one."""
+
+    # ---- OpenRLHF's reward protocol -----------------------------------------------------------
+    remote_protocol: Literal["conveyor", "openrlhf"] = "conveyor"
+    """The remote reward's request: `conveyor` (`{"prompts", "completions", "labels"}`) or `openrlhf`
+    (`{"query", "prompts", "labels"}`, query = prompt + completion text, as OpenRLHF's `--remote_rm_url`
+    servers read it). Either way the answer is `{"rewards"}`, optionally with `scores` (judged by the
+    buffer's dynamic filtering instead of the reward) and `extra_logs` (logged per step)."""
+    tokenizer: str = ""
+    """The policy's tokenizer folder, for OpenRLHF's reward texts (a `reward_func` file, the `openrlhf`
+    protocol): queries and prompts decoded from the token ids with special tokens kept, as OpenRLHF
+    does. Empty: the prompt's text and prompt + completion text."""
 
     reference: str = ""
     """The frozen reference model's folder (usually the policy's initial weights)."""
@@ -242,10 +261,18 @@ class ScorerConfig(BufferAddress):
 
     @field_validator("remote_url")
     @classmethod
-    def _url(cls, url: str) -> str:
-        if url and not url.startswith(("http://", "https://")):
-            raise ValueError("must start with http:// or https://")
+    def _url(cls, url: str | list[str]) -> str | list[str]:
+        bad = [u for u in (url.split(",") if isinstance(url, str) else url) if u.strip()
+               and not u.strip().startswith(("http://", "https://"))]
+        if bad:
+            raise ValueError(f"{bad[0]!r} must start with http:// or https://")
         return url
+
+    @property
+    def remote_urls(self) -> list[str]:
+        """`remote_url` as a list: a comma-separated string (as a flag gives it) split."""
+        urls = self.remote_url.split(",") if isinstance(self.remote_url, str) else self.remote_url
+        return [u.strip() for u in urls if u.strip()]
 
     def problems(self) -> list[str]:
         if self.overlong_buffer_len >= self.max_new_tokens:
@@ -255,6 +282,6 @@ class ScorerConfig(BufferAddress):
 
     def missing(self) -> list[str]:
         needs = {"reward_fn": ("reward_fn", self.reward_fn), "reward_model": ("reward_model", self.reward_model),
-                 "remote": ("remote_url", self.remote_url), "reference": ("reference", self.reference)}
+                 "remote": ("remote_url", self.remote_urls), "reference": ("reference", self.reference)}
         return [f"scorer.kinds includes {kind!r} but scorer.{needs[kind][0]} is empty"
                 for kind in self.kinds if kind in needs and not needs[kind][1]]

@@ -1,53 +1,43 @@
-"""Reward components a scorer combines: a Python reward function, a reward model, a remote HTTP reward,
-and DAPO's soft overlong punishment (`overlong_penalty`, a function of the completion's length).
+"""Reward components a scorer combines: a Python reward function (actors/reward_files.py), a reward
+model, a remote HTTP reward, and DAPO's soft overlong punishment (`overlong_penalty`, a function of
+the completion's length).
 
 Each has `name` and `score(rollouts) -> list[Score]`, one per rollout. A component never raises for
 bad input or a bad reward: the samples it cannot score get `Score(None, why)`, the scorer marks them
 failed (the buffer then drops their group and counts it) and keeps going.
 
-The reward function runs in a worker process of its own (`spawn`ed, so nothing of the scorer's state
-is forked into it), which imports the user's file once and then answers one request per message:
+A reward function or a remote reward may answer as OpenRLHF's do (`read_reply`): `rewards`, and
+optionally `scores` (what dynamic sampling judges instead of the reward: `Score.filter_score`) and
+`extra_logs` (named numbers the learner logs per step: `Score.extra`).
 
-    scorer  --{"prompts": [...], "completions": [...], "labels": [...]}-->  worker
-    scorer  <--{"rewards": [...]}  or  {"error": "TypeName: message"}--  worker
+The remote reward (`RemoteReward`) POSTs JSON to one or more URLs, a message's samples split into one
+contiguous shard per URL, sent at once:
 
-each a msgpack frame on a pipe (never pickle). A call that runs past `timeout_s`, or a worker that
-dies, fails that call's samples; the worker is then SIGKILLed with anything it started, and a fresh
-one takes the next call. A reward function that hangs costs one timeout, not the scorer.
+    conveyor protocol:  {"prompts", "completions", "labels"}  ->  {"rewards", "scores"?, "extra_logs"?}
+    openrlhf protocol:  {"query", "prompts", "labels"}        ->  {"rewards", "scores"?, "extra_logs"?}
+
+(`query` = prompt + completion text, `openrlhf_texts`). Connection errors, timeouts and 5xx answers
+are retried with exponential backoff, 4xx answers are not; a URL that still fails fails its own
+shard's samples, with its reason.
 """
 
 from __future__ import annotations
 
-import atexit
-import importlib.util
-import json
-import logging
 import math
-import multiprocessing
-import multiprocessing.connection
 import numbers
-import os
-import signal
 import time
-import urllib.error
-import urllib.request
-from pathlib import Path
-from typing import TYPE_CHECKING, NamedTuple, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import TYPE_CHECKING, Any, NamedTuple, Sequence
 
-import msgpack
-
-if TYPE_CHECKING:  # only for annotations: the worker process imports this module and should start fast
+if TYPE_CHECKING:  # only for annotations: the reward function's worker imports this module and should start fast
     from buffer.messages import Rollout
-
-log = logging.getLogger("conveyor.scorer")
-
-START_TIMEOUT_S = 300.0  # a fresh worker may take this long to start Python and import the user's file
-CLOSE_WAIT_S = 5.0  # a closed worker gets this long to exit on its own before it is killed
 
 
 class Score(NamedTuple):
     value: float | None  # None when the sample could not be scored
     error: str = ""
+    filter_score: float | None = None  # OpenRLHF's `scores`: judged by dynamic sampling instead of the reward
+    extra: dict[str, float] | None = None  # OpenRLHF's `extra_logs`: named numbers, logged as per-step means
 
 
 def check_rewards(raw, n: int, source: str) -> list[Score]:
@@ -66,6 +56,60 @@ def check_rewards(raw, n: int, source: str) -> list[Score]:
         else:
             out.append(Score(float(x)))
     return out
+
+
+def _finite(x) -> bool:
+    return isinstance(x, numbers.Real) and not isinstance(x, bool) and math.isfinite(float(x))
+
+
+def extra_values(value, n: int) -> list[float | None] | None:
+    """One extra_logs entry as `n` per-sample numbers (None where one is not finite): a list of n
+    numbers, or one number (a list of one too) for every sample (OpenRLHF calls a reward function one
+    sample at a time, so a file's `reward.mean()` is per sample there). None: not readable."""
+    if _finite(value):
+        return [float(value)] * n
+    if isinstance(value, (list, tuple)) and len(value) in (1, n):
+        values = [float(x) if _finite(x) else None for x in value]
+        return values * n if len(values) == 1 else values
+    return None
+
+
+def read_reply(answer: Any, n: int, source: str) -> list[Score]:
+    """The scores of `n` samples from a reward source's answer, plain values already (lists, numbers):
+    a list of n rewards, or a dict `{"rewards", "scores"?, "extra_logs"?}` as OpenRLHF's reward
+    functions and servers return. Bad rewards or scores fail the samples; an extra_logs entry that
+    is neither one number nor n of them is left out (logs are not worth failing samples for)."""
+    if not isinstance(answer, dict):
+        return check_rewards(answer, n, source)
+    if answer.get("rewards") is None:
+        return [Score(None, f"{source} returned a dict without `rewards` (keys {sorted(answer)})")] * n
+    out = check_rewards(answer["rewards"], n, source)
+    if answer.get("scores") is not None:
+        scores = check_rewards(answer["scores"], n, f"{source} (its scores)")
+        out = [s if s.value is None else (Score(None, f.error) if f.value is None else s._replace(filter_score=f.value))
+               for s, f in zip(out, scores)]
+    logs = answer.get("extra_logs") or {}
+    if not isinstance(logs, dict):
+        return out
+    extra: list[dict[str, float]] = [{} for _ in range(n)]
+    for name, value in logs.items():
+        values = extra_values(value, n)
+        for i, v in enumerate(values or ()):
+            if v is not None:
+                extra[i][str(name)] = v
+    return [s._replace(extra=e) if s.value is not None and e else s for s, e in zip(out, extra)]
+
+
+def openrlhf_texts(rollouts: Sequence[Rollout], tokenizer=None) -> tuple[list[str], list[str]]:
+    """(queries, prompts) as OpenRLHF gives them to a reward function or server: with the policy's
+    `tokenizer`, each prompt's and prompt + completion's token ids decoded with special tokens kept
+    (the chat template's markers and the end token, as OpenRLHF decodes them); without one, the
+    prompt's text and prompt + completion text."""
+    if tokenizer is None:
+        return [r.prompt + r.completion for r in rollouts], [r.prompt for r in rollouts]
+    queries = [tokenizer.decode([*r.prompt_ids.tolist(), *r.completion_ids.tolist()], skip_special_tokens=False)
+               for r in rollouts]
+    return queries, [tokenizer.decode(r.prompt_ids.tolist(), skip_special_tokens=False) for r in rollouts]
 
 
 def overlong_penalty(n_tokens: int, max_new_tokens: int, buffer_len: int, factor: float) -> float:
@@ -105,156 +149,6 @@ class EnvReward:
         return check_rewards(raw, len(rollouts), "the environment")
 
 
-class RewardFn:
-    """`reward_fn(prompts, completions, labels) -> list[float]` from a Python file, called batched in a
-    worker process (see the module docstring). `timeouts` and `crashes` count the calls lost to a
-    timeout or a dead worker; `close()` stops the worker."""
-
-    name = "reward_fn"
-
-    def __init__(self, path: str, timeout_s: float = 60.0):
-        p = Path(path)
-        if not p.is_file():
-            raise FileNotFoundError(f"scorer.reward_fn={path!r}: no such file")
-        self.path, self.timeout_s = str(p), timeout_s
-        self.timeouts = 0  # calls killed for running past timeout_s
-        self.crashes = 0  # calls during which the worker died
-        self.proc = self.conn = None
-        self._start()  # a file that does not import fails the scorer now, with the import's error
-
-    def _start(self) -> None:
-        """A fresh worker, returned once it has imported the file; raises what went wrong if it could not."""
-        ctx = multiprocessing.get_context("spawn")
-        self.conn, child = ctx.Pipe()
-        self.proc = ctx.Process(target=_worker, args=(self.path, child), name="reward_fn")
-        self.proc.start()
-        child.close()  # the worker holds the only other end: its exit reads as EOF here, and ours there
-        # Not a daemon (the user's code may start processes of its own), so multiprocessing joins it at
-        # exit; this closes it before that (atexit runs the last registered first).
-        atexit.register(self.close)
-        error = self._handshake()
-        if error is not None:
-            self.close()
-            raise error
-
-    def _handshake(self) -> Exception | None:
-        """None once the worker says it imported the file and found `reward_fn`, else what went wrong."""
-        where = f"scorer.reward_fn={self.path!r}"
-        try:
-            if not self.conn.poll(START_TIMEOUT_S):
-                return TimeoutError(f"{where} did not import within {START_TIMEOUT_S:g}s")
-            ready = msgpack.unpackb(self.conn.recv_bytes())
-        except (EOFError, OSError):
-            return RuntimeError(f"{where}: the worker died importing it ({_exit_reason(self._kill())})")
-        if "error" in ready:
-            return ImportError(f"{where} failed to import: {ready['error']}")
-        if not ready["ready"]:
-            return AttributeError(f"{where} defines no callable `reward_fn`")
-        return None
-
-    def _kill(self) -> int | None:
-        """SIGKILL the worker and whatever it started (it leads a process group); its exit code.
-
-        The group is killed before the worker is reaped: until then its pid, the group's id, cannot be
-        reused by another process."""
-        try:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        except ProcessLookupError:  # not a group leader yet
-            self.proc.kill()
-        self.proc.join()
-        self.conn.close()
-        code, self.proc, self.conn = self.proc.exitcode, None, None
-        atexit.unregister(self.close)
-        return code
-
-    def close(self) -> None:
-        """Stop the worker: it exits when its pipe closes; killed if it has not after CLOSE_WAIT_S."""
-        if self.proc is not None:
-            self.conn.close()
-            multiprocessing.connection.wait([self.proc.sentinel], CLOSE_WAIT_S)  # exited, not reaped
-            self._kill()  # also takes down any process the user's code left behind
-
-    def _call(self, rollouts: Sequence[Rollout]) -> list[Score]:
-        n = len(rollouts)
-        if self.proc is None:  # the last call killed it
-            try:
-                self._start()
-            except Exception as e:
-                return [Score(None, f"reward_fn worker could not restart: {e}")] * n
-        request = msgpack.packb({"prompts": [r.prompt for r in rollouts],
-                                 "completions": [r.completion for r in rollouts],
-                                 "labels": [r.label for r in rollouts]})
-        try:
-            self.conn.send_bytes(request)
-            if not self.conn.poll(self.timeout_s):
-                self._kill()
-                self.timeouts += 1
-                return [Score(None, f"reward_fn did not return within {self.timeout_s:g}s (worker killed)")] * n
-            reply = msgpack.unpackb(self.conn.recv_bytes())
-        except (EOFError, OSError):  # the worker is gone: a closed pipe, or a reset one
-            self.crashes += 1
-            return [Score(None, f"reward_fn worker died ({_exit_reason(self._kill())})")] * n
-        if "error" in reply:
-            return [Score(None, f"reward_fn raised {reply['error']}")] * n
-        return check_rewards(reply["rewards"], n, "reward_fn")
-
-    def score(self, rollouts: Sequence[Rollout]) -> list[Score]:
-        out = self._call(rollouts)
-        if len(rollouts) > 1 and all(s.error.startswith("reward_fn raised") for s in out):
-            # One bad sample should not fail the whole message: find which ones raise. A timeout ends
-            # the search (each would cost another timeout_s) and fails the samples not yet tried.
-            out = []
-            for r in rollouts:
-                timeouts = self.timeouts
-                out.append(self._call([r])[0])
-                if self.timeouts > timeouts:
-                    out += [out[-1]] * (len(rollouts) - len(out))
-                    break
-        return out
-
-
-def _worker(path: str, conn) -> None:
-    """The worker process: import `path` once, then answer requests until the scorer closes the pipe."""
-    # A group of its own: a Ctrl-C to the scorer's terminal does not reach it (the scorer decides when
-    # it stops), and the scorer's SIGKILL to the group reaches anything the user's code started.
-    os.setpgrp()
-    try:
-        p = Path(path)
-        spec = importlib.util.spec_from_file_location(f"conveyor_reward_{p.stem}", p)
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-        fn = getattr(module, "reward_fn", None)
-    except Exception as e:
-        conn.send_bytes(msgpack.packb({"error": f"{type(e).__name__}: {e}"}))
-        return
-    conn.send_bytes(msgpack.packb({"ready": callable(fn)}))
-    if not callable(fn):
-        return
-    while True:
-        try:
-            request = msgpack.unpackb(conn.recv_bytes())
-        except EOFError:  # the scorer closed the pipe (or exited)
-            return
-        try:
-            raw = fn(request["prompts"], request["completions"], request["labels"])
-            # numpy/torch arrays and scalars as plain numbers; check_rewards (in the scorer) judges them
-            reply = msgpack.packb({"rewards": raw.tolist() if hasattr(raw, "tolist") else raw}, default=_plain)
-        except Exception as e:  # user code: anything may come out of it
-            reply = msgpack.packb({"error": f"{type(e).__name__}: {e}"})
-        conn.send_bytes(reply)
-
-
-def _plain(x):
-    """msgpack's fallback for values it cannot send as they are: numpy scalars become floats."""
-    if isinstance(x, numbers.Real):
-        return float(x)
-    raise TypeError(f"reward_fn returned a {type(x).__name__}, which cannot be sent to the scorer")
-
-
-def _exit_reason(code: int | None) -> str:
-    return f"killed by signal {-code} ({signal.strsignal(-code)})" if code and code < 0 else f"exit code {code}"
-
-
 class RewardModel:
     """An `AutoModelForSequenceClassification` with one label: its score of prompt + completion text
     at the last token. Texts are re-tokenized with the reward model's own tokenizer (it need not
@@ -263,7 +157,7 @@ class RewardModel:
     name = "reward_model"
 
     def __init__(self, path: str, dtype: str = "float32", device: str = "cpu", batch_size: int = 16,
-                 max_len: int = 1024):
+                 max_len: int = 1024, normalize: bool = False):
         import torch
         from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
@@ -282,6 +176,10 @@ class RewardModel:
         if self.model.config.num_labels != 1:
             raise ValueError(f"scorer.reward_model={path!r} has num_labels={self.model.config.num_labels}, expected 1")
         self.device, self.batch_size, self.max_len = device, batch_size, max_len
+        # OpenRLHF's --reward.normalize_enable: (raw - mean) / std with the statistics its reward model
+        # training stored in config.json
+        self.mean, self.std = stored_mean_std(self.model.config, path, "scorer.reward_normalize") if normalize \
+            else (0.0, 1.0)
 
     def score(self, rollouts: Sequence[Rollout]) -> list[Score]:
         import torch
@@ -293,46 +191,105 @@ class RewardModel:
                 enc = self.tokenizer(texts[i:i + self.batch_size], padding=True, truncation=True,
                                      max_length=self.max_len, return_tensors="pt").to(self.device)
                 scores = self.model(**enc).logits[:, 0].float()  # (B,) pooled at the last real token
+                scores = (scores - self.mean) / self.std
                 out.extend(check_rewards(scores.tolist(), len(scores), "reward_model"))
         return out
 
 
-class RemoteReward:
-    """POST `{"prompts", "completions", "labels"}` as JSON, expect `{"rewards": [...]}`.
 
-    Connection errors, timeouts and 5xx answers are retried with exponential backoff; after the last
-    attempt (or on an answer that is not a reward list) the batch's samples fail with the reason.
-    """
+
+class RemoteReward:
+    """Rewards from HTTP servers (see the module docstring): `urls` share each message, shard i going
+    to URL (start + i) mod len(urls), start moving on by one per message (so one-sample messages
+    spread over the URLs too). `protocol`: `conveyor` or `openrlhf` (the request's fields; either
+    answer is read by `read_reply`). `tokenizer`: the policy's, for OpenRLHF's `query` text."""
 
     name = "remote"
 
-    def __init__(self, url: str, timeout_s: float = 30.0, retries: int = 3, backoff_s: float = 0.5):
-        self.url, self.timeout_s, self.retries, self.backoff_s = url, timeout_s, retries, backoff_s
+    def __init__(self, urls: Sequence[str], protocol: str = "conveyor", timeout_s: float = 30.0, retries: int = 3,
+                 backoff_s: float = 0.5, tokenizer=None):
+        import httpx
+
+        if not urls:
+            raise ValueError("scorer.remote_url: no URL given")
+        self.urls, self.protocol, self.tokenizer = list(urls), protocol, tokenizer
+        self.timeout_s, self.retries, self.backoff_s = timeout_s, retries, backoff_s
+        self.client = httpx.Client(timeout=timeout_s)  # pooled connections; shared by the shard threads
+        self.pool = ThreadPoolExecutor(len(self.urls), thread_name_prefix="remote-reward")
+        self.calls = 0
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=False, cancel_futures=True)
+        self.client.close()
+
+    def _body(self, rollouts: Sequence[Rollout]) -> dict:
+        labels = [r.label for r in rollouts]
+        if self.protocol == "openrlhf":
+            queries, prompts = openrlhf_texts(rollouts, self.tokenizer)
+            return {"query": queries, "prompts": prompts, "labels": labels}
+        return {"prompts": [r.prompt for r in rollouts], "completions": [r.completion for r in rollouts],
+                "labels": labels}
 
     def score(self, rollouts: Sequence[Rollout]) -> list[Score]:
         n = len(rollouts)
-        body = json.dumps({"prompts": [r.prompt for r in rollouts], "completions": [r.completion for r in rollouts],
-                           "labels": [r.label for r in rollouts]}).encode()
+        if n == 0:
+            return []
+        size = math.ceil(n / min(len(self.urls), n))  # OpenRLHF's split: equal shards, the last one short
+        start, self.calls = self.calls, self.calls + 1
+        shards = [(self.urls[(start + i) % len(self.urls)], rollouts[lo:lo + size])
+                  for i, lo in enumerate(range(0, n, size))]
+        futures = [self.pool.submit(self._post, url, shard) for url, shard in shards]
+        return [s for f in futures for s in f.result()]
+
+    def _post(self, url: str, rollouts: Sequence[Rollout]) -> list[Score]:
+        """One shard's scores: its request, retried; its samples failed with the reason if it never succeeds."""
+        import httpx
+
+        n = len(rollouts)
+        try:
+            body = self._body(rollouts)
+        except Exception as e:  # (a tokenizer that cannot decode the ids)
+            return [Score(None, f"remote reward {url}: building the request raised {type(e).__name__}: {e}")] * n
         last = ""
         for attempt in range(self.retries):
             if attempt:
                 time.sleep(self.backoff_s * 2 ** (attempt - 1))
-            req = urllib.request.Request(self.url, data=body, method="POST",
-                                         headers={"Content-Type": "application/json"})
             try:
-                with urllib.request.urlopen(req, timeout=self.timeout_s) as resp:
-                    answer = json.loads(resp.read())
-            except urllib.error.HTTPError as e:
-                last = f"HTTP {e.code} {e.reason}"
-                if e.code < 500:  # the request itself is wrong: asking again will not help
+                resp = self.client.post(url, json=body)
+            except httpx.TimeoutException:
+                last = f"no answer within {self.timeout_s:g}s"
+                continue
+            except httpx.TransportError as e:  # refused, reset, DNS: the server may be back for the next try
+                last = f"unreachable ({type(e).__name__}: {e})"
+                continue
+            if resp.status_code >= 400:
+                last = f"HTTP {resp.status_code} {resp.reason_phrase}: {resp.text[:200]}"
+                if resp.status_code < 500:  # the request itself is wrong: asking again will not help
                     break
                 continue
-            except (urllib.error.URLError, TimeoutError, ConnectionError, OSError) as e:
-                last = f"unreachable ({getattr(e, 'reason', e)})"
-                continue
+            try:
+                answer = resp.json()
             except ValueError as e:
-                return [Score(None, f"remote reward {self.url} answered with invalid JSON: {e}")] * n
+                return [Score(None, f"remote reward {url} answered with invalid JSON: {e}")] * n
             if not isinstance(answer, dict) or "rewards" not in answer:
-                return [Score(None, f"remote reward {self.url} answered without a `rewards` list")] * n
-            return check_rewards(answer["rewards"], n, f"remote reward {self.url}")
-        return [Score(None, f"remote reward {self.url} failed after {attempt + 1} attempt(s): {last}")] * n
+                return [Score(None, f"remote reward {url} answered without a `rewards` list")] * n
+            return read_reply(answer, n, f"remote reward {url}")
+        return [Score(None, f"remote reward {url} failed after {attempt + 1} attempt(s): {last}")] * n
+
+
+def stored_mean_std(config, path: str, key: str) -> tuple[float, float]:
+    """The reward model's stored `mean` and `std` (OpenRLHF's reward model config keys); ConfigError
+    if the folder has none or they cannot normalise."""
+    from common.config import ConfigError
+
+    mean, std = getattr(config, "mean", None), getattr(config, "std", None)
+    if mean is None or std is None:
+        raise ConfigError(f"{key}=true but {path}/config.json has no `mean` and `std` to normalise "
+                          f"rewards with (OpenRLHF's reward model training stores them)")
+    try:
+        mean, std = float(mean), float(std)
+    except (TypeError, ValueError):
+        raise ConfigError(f"{path}/config.json: mean={mean!r} std={std!r} are not numbers") from None
+    if not (math.isfinite(mean) and math.isfinite(std) and std > 0):
+        raise ConfigError(f"{path}/config.json: mean={mean!r} std={std!r} cannot normalise (std must be > 0)")
+    return mean, std

@@ -5,8 +5,13 @@ every rollout (`scores[name]`), `reward` is their weighted sum, and a reference 
 `ref_logprobs`. With `scorer.overlong_buffer_len` > 0, DAPO's soft overlong punishment is one more
 component, `scores["overlong"]` (weight 1). A sample any component failed on is sent with
 `failed=True` and the reasons in `error`: the buffer drops its group and counts it, so a bad reward
-function never stalls a run. The reward function runs in a worker process (actors/rewards.py): one
+function never stalls a run. The reward function runs in a worker process (actors/reward_files.py): one
 that hangs past `scorer.reward_fn_timeout_s` or crashes fails its message's samples and is restarted.
+A reward function or remote reward answering as OpenRLHF's do may add `scores` and `extra_logs`:
+they travel in `ScoredRollout.metadata`, the scores (summed over the components that give them) as
+`filter_score`, which the buffer's dynamic filtering judges instead of the reward, and each extra log
+as `extra/<name>`, which the learner logs as the per-step mean `reward/extra/<name>` (buffer/rules.py
+names both). Metadata, not `scores`: those are the reward's components, and the reward is their sum.
 Several scorer processes may run side by side; the relay deals each message to one of them, and
 every one runs the same components, so each sample's reward holds each component (overlong too) once.
 """
@@ -25,9 +30,11 @@ from typing import Sequence
 import numpy as np
 
 from actors.config import ScorerConfig
-from actors.rewards import EnvReward, OverlongPenalty, RemoteReward, RewardFn, RewardModel, Score
+from actors.reward_files import RewardFn
+from actors.rewards import EnvReward, OverlongPenalty, RemoteReward, RewardModel, Score
 from buffer.client import BufferClient
 from buffer.messages import LOGPROB_DTYPE, ProtocolError, Rollout, ScoredRollout
+from buffer.rules import EXTRA_LOG_PREFIX, FILTER_SCORE
 from common.guards import WarnLimiter
 from common.ready import mark_ready
 
@@ -65,16 +72,26 @@ class Scorer:
         self.parts: list[tuple[object, float]] = []  # (component, weight in `reward`)
         self.reference: Reference | None = None
         self.reward_fn: RewardFn | None = None  # also kept here: it has a worker process to close
+        self.remote: RemoteReward | None = None  # and this its connections
+        tokenizer = None
+        if cfg.tokenizer:  # OpenRLHF's reward texts are decoded from the token ids
+            from transformers import AutoTokenizer
+
+            tokenizer = AutoTokenizer.from_pretrained(cfg.tokenizer)
         for kind in cfg.kinds:
             if kind == "reward_fn":
-                self.reward_fn = RewardFn(cfg.reward_fn, cfg.reward_fn_timeout_s)
+                self.reward_fn = RewardFn(cfg.reward_fn, cfg.reward_fn_timeout_s, tokenizer)
+                log.info("reward_fn %s: %s", cfg.reward_fn, "OpenRLHF's reward_func(queries, prompts, labels)"
+                         if self.reward_fn.signature == "openrlhf" else "reward_fn(prompts, completions, labels)")
                 self.parts.append((self.reward_fn, cfg.reward_fn_weight))
             elif kind == "reward_model":
                 self.parts.append((RewardModel(cfg.reward_model, cfg.dtype, cfg.device, cfg.batch_size,
-                                               cfg.reward_model_max_len), cfg.reward_model_weight))
+                                               cfg.reward_model_max_len, cfg.reward_normalize),
+                                   cfg.reward_model_weight))
             elif kind == "remote":
-                self.parts.append((RemoteReward(cfg.remote_url, cfg.remote_timeout_s, cfg.remote_retries,
-                                                cfg.remote_backoff_s), cfg.remote_weight))
+                self.remote = RemoteReward(cfg.remote_urls, cfg.remote_protocol, cfg.remote_timeout_s,
+                                           cfg.remote_retries, cfg.remote_backoff_s, tokenizer)
+                self.parts.append((self.remote, cfg.remote_weight))
             elif kind == "reference":
                 self.reference = Reference(cfg.reference, cfg.dtype, cfg.device, cfg.batch_size)
             elif kind == "env":
@@ -100,9 +117,11 @@ class Scorer:
         return self.reward_fn.crashes if self.reward_fn else 0
 
     def close(self) -> None:
-        """Stop the reward function's worker process."""
+        """Stop the reward function's worker process and the remote reward's connections."""
         if self.reward_fn is not None:
             self.reward_fn.close()
+        if self.remote is not None:
+            self.remote.close()
 
     def _component(self, name: str, fn, n: int):
         """fn() guarded: an unexpected exception fails the message's samples, not the process."""
@@ -122,7 +141,7 @@ class Scorer:
             results["reference"] = [x if isinstance(x, Score) else Score(0.0) for x in got]
         out = []
         for i, r in enumerate(rollouts):
-            scores, errors = {}, []
+            scores, errors, metadata = {}, [], {}
             for name, res in results.items():
                 s = res[i]
                 if s.value is None:
@@ -131,12 +150,22 @@ class Scorer:
                     self.limited.warn(name, f"group {r.group_id} sample {r.sample_index}: {name}: {s.error}")
                 elif name != "reference":
                     scores[name] = s.value
+                    metadata.update(_openrlhf_extras(s, metadata))
             reward = 0.0 if errors else sum(w * scores[c.name] for c, w in self.parts)
             out.append(ScoredRollout(r, reward=reward, scores=scores, ref_logprobs=ref[i],
-                                     failed=bool(errors), error="; ".join(errors)))
+                                     failed=bool(errors), error="; ".join(errors), metadata=metadata))
         self.scored += n
         self.failed += sum(s.failed for s in out)
         return out
+
+
+def _openrlhf_extras(s: Score, metadata: dict) -> dict[str, float]:
+    """What a component's OpenRLHF-style answer adds to a sample's metadata: its `scores` summed into
+    FILTER_SCORE (with any other component's), its `extra_logs` under EXTRA_LOG_PREFIX."""
+    out = {EXTRA_LOG_PREFIX + k: v for k, v in (s.extra or {}).items()}
+    if s.filter_score is not None:
+        out[FILTER_SCORE] = metadata.get(FILTER_SCORE, 0.0) + s.filter_score
+    return out
 
 
 def run(cfg: ScorerConfig, stop: threading.Event | None = None) -> int:

@@ -79,7 +79,8 @@ class BufferConfig(Section):
     """DAPO's dynamic sampling: a complete group whose rewards carry no signal (all equal, or a mean
     outside dynamic_filtering_range) is filtered (counted in `buffer/filtered`, recorded as dropped
     with reason `filtered`) and a replacement prompt is leased in its place, so every step still
-    trains prompts_per_step informative groups."""
+    trains prompts_per_step informative groups. Where a sample's scorer gave a filter score (OpenRLHF's
+    `scores`: `ScoredRollout.metadata["filter_score"]`, buffer/rules.py), that is judged, not its reward."""
     dynamic_filtering_range: list[float] | None = None
     """With dynamic_filtering: also filter a group unless low < its mean reward < high (OpenRLHF's
     `--dynamic_filtering_reward_range`); None: only groups whose rewards are all equal."""

@@ -16,6 +16,12 @@ class Sample:
     min_version: int  # oldest token's policy version
     reward: float
     max_version: int = -1  # newest token's policy version (-1: none, or not known)
+    filter_score: float | None = None  # judged by dynamic sampling instead of the reward (rules.FILTER_SCORE)
+
+    @property
+    def judged(self) -> float:
+        """What dynamic sampling judges: the filter score when the scorer gave one, else the reward."""
+        return self.reward if self.filter_score is None else self.filter_score
 
 
 @dataclass

@@ -7,6 +7,7 @@ applies them.
 
 from __future__ import annotations
 
+import math
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -34,10 +35,23 @@ def is_stale(min_version: int, step: int, max_staleness: int) -> bool:
 
 REWARD_TOL = 1e-6  # rewards this close (relative to their size, at least 1) count as equal
 
+# Names in `ScoredRollout.metadata` a scorer fills from OpenRLHF-style reward answers:
+FILTER_SCORE = "filter_score"  # what dynamic sampling judges instead of the sample's reward (OpenRLHF's `scores`)
+EXTRA_LOG_PREFIX = "extra/"  # + name: a number the learner logs as its per-step mean (OpenRLHF's `extra_logs`)
+
+
+def filter_score(metadata: dict) -> float | None:
+    """A sample's FILTER_SCORE when its scorer gave a finite number, else None (the reward is judged)."""
+    x = metadata.get(FILTER_SCORE)
+    if isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x):
+        return float(x)
+    return None
+
 
 def no_signal(rewards: list[float], reward_range: list[float] | None = None) -> bool:
     """A group whose rewards teach nothing: all equal (every group-relative advantage is 0) or, with
-    `reward_range` [low, high], a mean reward not strictly inside (low, high) (OpenRLHF's rule)."""
+    `reward_range` [low, high], a mean reward not strictly inside (low, high) (OpenRLHF's rule). The
+    buffer passes each sample's filter score where its scorer gave one (`Sample.judged`)."""
     lo, hi = min(rewards), max(rewards)
     if hi - lo <= REWARD_TOL * max(1.0, abs(lo), abs(hi)):
         return True

@@ -63,6 +63,7 @@ from buffer.messages import (
     short,
 )
 from buffer.prompts import prompts_from_config
+from buffer.rules import filter_score
 from buffer.state import BufferState
 from buffer.store import StateStore
 from common.channel import recv_frames, send_frames
@@ -102,15 +103,16 @@ class ScoredMeta(NamedTuple):
     reward: float
     error: str
     max_version: int | None = None  # newest token's policy version; None for an empty completion
+    filter_score: float | None = None  # what dynamic sampling judges instead of the reward (rules.filter_score)
 
 
 def scored_meta(frame: bytes, where: str, limits: Limits = DEFAULT_LIMITS) -> ScoredMeta:
     """The bookkeeping fields of a valid scored-rollout frame (checked whole by its type, as a learner
     will decode it, but for building its arrays); `ProtocolError` naming the field for an invalid one."""
     s = check_scored(frame, where, limits)
-    r = s.rollout
-    lo, hi = r.version_range() or (None, None)
-    return ScoredMeta(r.group_id, r.sample_index, r.lease_id, s.failed, lo, s.reward, s.error, hi)
+    r, (lo, hi) = s.rollout, s.rollout.version_range() or (None, None)
+    return ScoredMeta(r.group_id, r.sample_index, r.lease_id, s.failed, lo, s.reward, s.error, hi,
+                      filter_score(s.metadata))
 
 
 class BufferService:
@@ -206,7 +208,7 @@ class BufferService:
             try:
                 metas = [scored_meta(f, f"state group {gid}", self.limits) for f in frames]
                 groups[gid] = [Sample(f, saved.version if m.min_version is None else m.min_version, m.reward,
-                                      -1 if m.max_version is None else m.max_version)
+                                      -1 if m.max_version is None else m.max_version, m.filter_score)
                                for m, f in zip(metas, frames)]
             except ProtocolError as e:
                 log.warning("state: group %d cannot be read back (%s); dropping it", gid, e)
@@ -411,7 +413,7 @@ class BufferService:
                 accepted += outcome in ("accepted", "complete", "failed")
                 continue
             outcome = self.state.add_sample(m.group_id, m.sample_index, m.lease_id, m.failed, m.min_version,
-                                            m.reward, f, m.max_version, now)
+                                            m.reward, f, m.max_version, now, m.filter_score)
             if outcome in ("accepted", "complete", "filtered"):
                 accepted += 1
             if outcome == "filtered":

@@ -222,7 +222,7 @@ class BufferState:
 
     def add_sample(self, group_id: int, sample_index: int, lease_id: int, failed: bool,
                    min_version: int | None, reward: float, frame: bytes, max_version: int | None = None,
-                   now: float = 0.0) -> str:
+                   now: float = 0.0, filter_score: float | None = None) -> str:
         """One scored rollout; returns what became of it: accepted | complete | late | duplicate | failed | future."""
         self.last_scored = now
         g = self.pending.get(group_id)
@@ -241,7 +241,7 @@ class BufferState:
             self.counters["duplicates"] += 1
             return "duplicate"
         mv = g.version if min_version is None else min_version
-        g.samples[sample_index] = Sample(frame, mv, reward, mv if max_version is None else max_version)
+        g.samples[sample_index] = Sample(frame, mv, reward, mv if max_version is None else max_version, filter_score)
         self.counters["accepted_rollouts"] += 1
         if len(g.samples) < self.cfg.n_samples_per_prompt:
             return "accepted"
@@ -262,7 +262,7 @@ class BufferState:
         """Dynamic sampling: is this complete group dropped for carrying no reward signal?"""
         if is_stale(group.min_version, self.version, self.cfg.max_staleness):
             return False  # dropped as stale anyway: it must not use up the cap
-        verdict = filter_verdict([s.reward for s in group.samples], self.cfg.dynamic_filtering_range,
+        verdict = filter_verdict([s.judged for s in group.samples], self.cfg.dynamic_filtering_range,
                                  self.filtered_now, self.filter_cap)
         if verdict == "keep":
             return False

@@ -6,31 +6,26 @@ Several ranks with either launcher (DeepSpeed over NCCL on GPUs, gloo on CPU):
     torchrun --nproc_per_node 2 -m launch.dpo dpo.yaml
 
 CONFIG is a YAML file whose `dpo:` section fills learner.offline.config.DPOConfig; overrides are
-`--dpo.KEY VALUE` or `--KEY VALUE`. OpenRLHF's `train_dpo` quick-start flags are accepted with the
-same meaning, e.g.
+`--dpo.KEY VALUE` or `--KEY VALUE`. OpenRLHF's `train_dpo` command line is accepted as it is, flag
+by flag with the same meaning (launch/openrlhf/offline.py), e.g.
 
-    python -m launch.dpo --pretrain MODEL_DIR --dataset pairs.jsonl --beta 0.1 --max_len 512 \\
-        --micro_train_batch_size 1 --train_batch_size 64 --learning_rate 5e-7 --bf16 \\
-        --save_path runs/dpo --save_steps -1 --logging_steps 1 --max_epochs 1
+    python -m launch.dpo --model.model_name_or_path MODEL_DIR --data.dataset pairs.jsonl \\
+        --data.prompt_key prompt --data.chosen_key chosen --data.rejected_key rejected \\
+        --model.beta 0.1 --data.max_len 512 --train.micro_batch_size 1 --train.batch_size 64 \\
+        --adam.lr 5e-7 --ds.param_dtype bf16 --ckpt.output_dir runs/dpo --ckpt.save_steps -1
 
-(`--ipo` selects the IPO loss, `--label_smoothing` cDPO, `--nll_loss_coef` the NLL term). The
-trained model lands in save_path in HF format.
+and the underscore names of earlier releases (`--pretrain`, `--beta`, `--ipo`, ...).
+`--model.ipo_enable` selects the IPO loss, `--model.label_smoothing` cDPO, `--model.nll_loss_coef`
+the NLL term, `--ds.packing_samples` packs each micro-batch into one row. The trained model lands
+in save_path in HF format.
 """
 
 from __future__ import annotations
 
 import sys
 
-from common.config import Alias, ignored, parse_bool, renames
 from launch.entry import role_main
-from launch.sft import COMMON_ALIASES
-
-DPO_ALIASES = {
-    **COMMON_ALIASES,
-    "ipo": Alias(("loss",), lambda v: "ipo" if parse_bool(v) else "sigmoid"),
-    **renames(nll_loss_coef="nll_coef", ref_pretrain="ref_path"),
-    "ref_offload": ignored("use --ref_mode precompute to free the reference model"),
-}
+from launch.openrlhf.offline import DPO_ALIASES
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,11 +1,13 @@
 """Reward-model training (Bradley-Terry): `python -m launch.rm [CONFIG] [--rm.KEY VALUE ...]`.
 
 The `rm:` section of CONFIG fills learner.offline.config.RMConfig; a key is overridden as
-`--rm.KEY VALUE`, `--KEY VALUE`, or with OpenRLHF's `train_rm` flags (`--pretrain`, `--dataset`,
-`--chosen_key`, `--rejected_key`, `--max_len`, `--micro_train_batch_size`, `--train_batch_size`,
-`--learning_rate`, `--bf16`, `--save_path`, `--save_steps`, `--logging_steps`, `--max_epochs`, ...).
-On several ranks, `deepspeed --num_gpus 2 --module launch.rm rm.yaml` or `torchrun
---nproc_per_node 2 -m launch.rm rm.yaml` (NCCL on GPUs, gloo on CPU).
+`--rm.KEY VALUE`, `--KEY VALUE`, or with OpenRLHF's `train_rm` command line, flag by flag with the
+same meaning (launch/openrlhf/offline.py): `--model.model_name_or_path`, `--data.dataset`,
+`--data.chosen_key`, `--data.rejected_key`, `--train.batch_size`, `--adam.lr`,
+`--model.loss_type sigmoid|logexpsigmoid`, `--model.margin_loss_enable`, `--ds.packing_samples`,
+`--ckpt.output_dir`, ... and the underscore names of earlier releases (`--pretrain`, `--dataset`,
+`--train_batch_size`, ...). On several ranks, `deepspeed --num_gpus 2 --module launch.rm rm.yaml`
+or `torchrun --nproc_per_node 2 -m launch.rm rm.yaml` (NCCL on GPUs, gloo on CPU).
 
 The saved folder is an AutoModelForSequenceClassification (num_labels=1, pad_token_id set) that
 the scorer's `reward_model` kind loads as it is (`scorer.reward_model: DIR`).
@@ -15,14 +17,8 @@ from __future__ import annotations
 
 import sys
 
-from common.config import ignored
 from launch.entry import role_main
-from launch.sft import COMMON_ALIASES
-
-RM_ALIASES = {
-    **COMMON_ALIASES,
-    "value_head_prefix": ignored("the head is the architecture's own `score` layer"),
-}
+from launch.openrlhf.offline import RM_ALIASES
 
 
 def main(argv: list[str] | None = None) -> int:

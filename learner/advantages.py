@@ -1,11 +1,20 @@
 """Advantage estimators: pure functions of tensors.
 
-Sequence-level estimators (GRPO, Dr. GRPO, RLOO, plain REINFORCE) take one reward per completion
-(B,) and the prompt group of each (B,) and return one advantage per completion (B,), which
-`broadcast` spreads over the completion's tokens. Token-level ones (GAE, REINFORCE++) take a
-per-token reward (B, T) built by `token_rewards` and a completion mask (B, T).
+`advantages_and_returns` is the whole path from one reward per completion to per-token advantages,
+in OpenRLHF's order (its `compute_advantages_and_returns` and `compute_reward`):
 
-Batch statistics (REINFORCE++'s and PPO's whitening) can span several learner ranks: pass
+  1. a baseline per completion (B,) -> (B,): the prompt group's mean (`dr_grpo`,
+     `reinforce_baseline`), mean and std (`grpo` = `group_norm`), the others' mean (`rloo`), the
+     whole batch's mean (`flash_reinforce`), or none (`reinforce`, `reinforce_pp`, `gae`);
+  2. the result clipped to `clip_range` (OpenRLHF's reward clip: after the baseline);
+  3. a per-token reward (B, T): that value on the completion's last token, minus kl_coef * KL on
+     every token when the KL is folded into the reward (`token_rewards`);
+  4. GAE with the critic's values (`gae`), else the return to go (discounted by gamma for
+     `reinforce_pp` only; with no KL every token of a completion gets its value of step 2);
+  5. whitened over the batch's tokens (`gae`, `reinforce_pp`, `reinforce_baseline`): minus the
+     mean, and with `std_norm` times 1 / sqrt(max(var, 1e-8)).
+
+Batch statistics (whitening, flash_reinforce's mean) can span several learner ranks: pass
 `sum_fn`, which sums a tensor over the ranks (an all-reduce); None means this batch only.
 
 Multi-turn episodes interleave the policy's tokens with an environment's: the mask is then the
@@ -101,11 +110,15 @@ def discounted_returns(token_rewards: torch.Tensor, mask: torch.Tensor, gamma: f
     return out
 
 
-def whiten(x: torch.Tensor, mask: torch.Tensor, eps: float = 1e-6, sum_fn: SumFn | None = None,
-           shift_mean: bool = True) -> torch.Tensor:
-    """(x - mean) / (std + eps) over the masked entries (of all ranks when `sum_fn` sums over them).
+# whitening divides by sqrt(max(var, this)) (OpenRLHF's floor), so a batch of equal values stays finite
+WHITEN_VAR_FLOOR = 1e-8
 
-    The std is the population one (divides by n). (B, T) -> (B, T), 0 off the mask.
+
+def whiten(x: torch.Tensor, mask: torch.Tensor, sum_fn: SumFn | None = None, std_norm: bool = True) -> torch.Tensor:
+    """(x - mean) / sqrt(max(var, 1e-8)) over the masked entries (of all ranks when `sum_fn` sums
+    over them); std_norm=False: x - mean only (OpenRLHF's no_std_norm).
+
+    The variance is the population one (divides by n). (B, T) -> (B, T), 0 off the mask.
     """
     m = mask.to(x.dtype)
     stats = torch.stack([(x * m).sum(), (x * x * m).sum(), m.sum()]).double()
@@ -114,14 +127,16 @@ def whiten(x: torch.Tensor, mask: torch.Tensor, eps: float = 1e-6, sum_fn: SumFn
     s, sq, n = stats.unbind()
     n = n.clamp_min(1.0)
     mean = s / n
-    std = (sq / n - mean * mean).clamp_min(0.0).sqrt()
-    out = (x - mean.to(x.dtype)) if shift_mean else x
-    return out / (std.to(x.dtype) + eps) * m
+    out = x - mean.to(x.dtype)
+    if std_norm:
+        var = (sq / n - mean * mean).clamp_min(WHITEN_VAR_FLOOR)
+        out = out * var.rsqrt().to(x.dtype)
+    return out * m
 
 
 def reinforce_pp_advantages(
-    token_rewards: torch.Tensor, mask: torch.Tensor, gamma: float = 1.0, eps: float = 1e-6,
-    sum_fn: SumFn | None = None,
+    token_rewards: torch.Tensor, mask: torch.Tensor, gamma: float = 1.0, sum_fn: SumFn | None = None,
+    std_norm: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """REINFORCE++: the discounted return of the KL-shaped per-token reward, whitened over the batch.
 
@@ -129,7 +144,7 @@ def reinforce_pp_advantages(
     returns (advantages, returns), each (B, T).
     """
     returns = discounted_returns(token_rewards, mask, gamma)
-    return whiten(returns, mask, eps, sum_fn), returns
+    return whiten(returns, mask, sum_fn, std_norm), returns
 
 
 def on_actions(fn: Callable[..., tuple[torch.Tensor, torch.Tensor]], mask: torch.Tensor,
@@ -168,3 +183,81 @@ def gae_advantages(
         last = (delta + gamma * lam * last * nxt) * m[:, t]
         adv[:, t] = last
     return adv, (adv + values) * m
+
+
+def batch_mean_advantages(rewards: torch.Tensor, sum_fn: SumFn | None = None) -> torch.Tensor:
+    """FlashREINFORCE: r - the mean reward of the whole batch (all ranks with `sum_fn`). (B,) -> (B,)."""
+    stats = torch.stack([rewards.double().sum(), torch.tensor(float(rewards.numel()), dtype=torch.float64,
+                                                              device=rewards.device)])
+    if sum_fn is not None:
+        stats = sum_fn(stats)
+    return (rewards.double() - stats[0] / stats[1].clamp_min(1.0)).to(rewards.dtype)
+
+
+def stop_properly_penalty(rewards: torch.Tensor, truncated: torch.Tensor, coef: float | None) -> torch.Tensor:
+    """ProRL's penalty on completions cut at the length limit (finish_reason `length`), before any
+    baseline: coef in [0, 1] scales their reward, a negative coef replaces it. None: unchanged. (B,) -> (B,)."""
+    if coef is None:
+        return rewards
+    penalised = rewards * coef if coef >= 0 else torch.full_like(rewards, coef)
+    return torch.where(truncated.bool(), penalised, rewards)
+
+
+# the estimators: what step 1 subtracts, and which ones step 5 whitens (see the module docstring)
+GROUP_MEAN = ("dr_grpo", "reinforce_baseline")
+GROUP_NORM = ("grpo", "group_norm")
+WHITENED = ("gae", "reinforce_pp", "reinforce_baseline")
+ESTIMATORS = (*GROUP_NORM, *GROUP_MEAN, "rloo", "flash_reinforce", "reinforce", "reinforce_pp", "gae")
+
+
+def baselined(estimator: str, rewards: torch.Tensor, group_ids: torch.Tensor, eps: float = 1e-6,
+              sum_fn: SumFn | None = None) -> torch.Tensor:
+    """Step 1: each completion's reward minus the estimator's baseline. (B,) -> (B,)."""
+    if estimator in GROUP_NORM:
+        return grpo_advantages(rewards, group_ids, eps)
+    if estimator in GROUP_MEAN:
+        return grpo_advantages(rewards, group_ids, eps, scale_by_std=False)
+    if estimator == "rloo":
+        return rloo_advantages(rewards, group_ids)
+    if estimator == "flash_reinforce":
+        return batch_mean_advantages(rewards, sum_fn)
+    if estimator in ("reinforce", "reinforce_pp", "gae"):
+        return rewards
+    raise ValueError(f"unknown advantage estimator {estimator!r}; expected one of {list(ESTIMATORS)}")
+
+
+def advantages_and_returns(
+    estimator: str,
+    rewards: torch.Tensor,
+    group_ids: torch.Tensor,
+    mask: torch.Tensor,
+    kl: torch.Tensor | None = None,
+    kl_coef: float = 0.0,
+    values: torch.Tensor | None = None,
+    gamma: float = 1.0,
+    lam: float = 1.0,
+    eps: float = 1e-6,
+    std_norm: bool = True,
+    clip_range: tuple[float, float] | None = None,
+    sum_fn: SumFn | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Steps 1-5 of the module docstring: (advantages, returns), each (B, T), 0 off `mask`.
+
+    rewards, group_ids (B,); mask (B, T) the policy's tokens; kl (B, T) the per-token KL to the
+    reference folded into the reward with weight kl_coef (None or kl_coef <= 0: not folded);
+    values (B, T) the critic's (gae only); eps the group std's epsilon (grpo).
+    """
+    r = baselined(estimator, rewards, group_ids, eps, sum_fn)  # (B,)
+    if clip_range is not None:
+        r = r.clamp(clip_range[0], clip_range[1])
+    per_token = token_rewards(r, mask, kl if kl_coef > 0 else None, kl_coef)  # (B, T)
+    if estimator == "gae":
+        adv, returns = on_actions(gae_advantages, mask, per_token, values, gamma=gamma, lam=lam)
+    else:
+        # only REINFORCE++ discounts (OpenRLHF sets gamma to 1 for the baselined estimators)
+        g = gamma if estimator == "reinforce_pp" else 1.0
+        returns, _ = on_actions(lambda x, m: (discounted_returns(x, m, g), x), mask, per_token)
+        adv = returns
+    if estimator in WHITENED:
+        adv = whiten(adv, mask, sum_fn, std_norm)
+    return adv, returns

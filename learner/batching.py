@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 from buffer.messages import Batch, ScoredRollout
+from buffer.rules import EXTRA_LOG_PREFIX
 from learner.modeling import pad_sequences
 from learner.packing import PackedRows, pack_rows
 
@@ -149,10 +150,19 @@ def staleness_stats(batch: Batch) -> dict[str, float]:
 
 def score_stats(batch: Batch) -> dict[str, float]:
     """Mean of each reward component over one share, as `reward/<name>` (`reward/overlong`, ...).
-    Every scorer computes the same components, so every rank has the same keys."""
+    Every scorer computes the same components, so every rank has the same keys. Also the mean of
+    each extra log an OpenRLHF-style reward gave (`metadata["extra/<name>"]`, buffer/rules.py) over
+    the samples that carry it, as `reward/extra/<name>`: those keys may differ between ranks
+    (learner/metrics.py `VARYING`)."""
     n = max(len(batch.scored), 1)
     names = sorted({k for s in batch.scored for k in s.scores})
-    return {f"reward/{k}": sum(s.scores.get(k, 0.0) for s in batch.scored) / n for k in names}
+    out = {f"reward/{k}": sum(s.scores.get(k, 0.0) for s in batch.scored) / n for k in names}
+    extra: dict[str, list[float]] = {}
+    for s in batch.scored:
+        for k, v in s.metadata.items():
+            if k.startswith(EXTRA_LOG_PREFIX) and isinstance(v, (int, float)) and not isinstance(v, bool):
+                extra.setdefault(k, []).append(float(v))
+    return out | {f"reward/{k}": sum(v) / len(v) for k, v in sorted(extra.items())}
 
 
 def buffer_stats(batch: Batch) -> dict[str, float]:

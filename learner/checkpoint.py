@@ -5,7 +5,8 @@ A folder holds
   adapter/          LoRA only: the adapter in peft's format (adapter_config.json, adapter_model.safetensors)
   deepspeed/        engine.save_checkpoint of the policy (optimizer, LR schedule, ZeRO partitions)
   critic/           the same for the critic (PPO with GAE only)
-  trainer_state.json  {"step": N, ...}: the next step to train and ask the buffer for
+  trainer_state.json  {"step": N, ...}: the next step to train and ask the buffer for, and the
+                    loop's own state (`extra`: the RL learner's adaptive KL coefficient)
 and `<run_dir>/checkpoints/latest` names the newest complete one; it is written last, so a run
 killed while saving resumes from the previous checkpoint.
 
@@ -146,10 +147,15 @@ def restore_latest(run_dir: str | Path, policy, critic=None, ranks_key: str = "t
     return int(load_checkpoint(ckpt, policy, critic)["step"]), ckpt
 
 
+def read_trainer_state(path: str | Path) -> dict[str, Any]:
+    """A step folder's trainer_state.json: the step, and what the loop added (e.g. the KL coefficient)."""
+    return json.loads((Path(path) / "trainer_state.json").read_text())
+
+
 def load_checkpoint(path: str | Path, policy, critic=None) -> dict[str, Any]:
     """Restore the engines (weights, optimizer, LR schedule) from `path`; returns trainer_state.json."""
     path = Path(path)
-    state = json.loads((path / "trainer_state.json").read_text())
+    state = read_trainer_state(path)
     lora, has_adapter = is_lora(policy), (path / "adapter").is_dir()
     if lora != has_adapter:  # the module's names differ: a non-strict load would load nothing
         raise RuntimeError(f"{path} was saved {'with' if has_adapter else 'without'} LoRA and this run trains "

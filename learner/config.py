@@ -15,7 +15,8 @@ from buffer.config import BufferAddress
 from common.config import Section
 from weight_sync.config import WeightSyncAddress
 
-ADVANTAGE_ESTIMATORS = ("grpo", "dr_grpo", "rloo", "reinforce_pp", "gae", "reinforce")
+ADVANTAGE_ESTIMATORS = ("grpo", "group_norm", "dr_grpo", "rloo", "reinforce_baseline", "flash_reinforce",
+                        "reinforce_pp", "gae", "reinforce")
 
 
 class OptimConfig(Section):
@@ -118,12 +119,26 @@ class LearnerConfig(OptimConfig, WeightSyncAddress, BufferAddress):
     so that pi, pi_old and the behaviour mu are comparable."""
 
     # ---- advantages ---------------------------------------------------------------------------
-    advantage_estimator: Literal["grpo", "dr_grpo", "rloo", "reinforce_pp", "gae", "reinforce"] = "grpo"
-    """`grpo`: (r - group mean) / (group std + adv_eps); `dr_grpo`: r - group mean; `rloo`:
-    leave-one-out baseline; `reinforce_pp`: REINFORCE++ (per-token KL-shaped return, whitened over
-    the batch); `gae`: PPO with a critic; `reinforce`: the raw reward (no baseline)."""
+    advantage_estimator: Literal["grpo", "group_norm", "dr_grpo", "rloo", "reinforce_baseline", "flash_reinforce",
+                                 "reinforce_pp", "gae", "reinforce"] = "grpo"
+    """`grpo` (= OpenRLHF's `group_norm`): (r - group mean) / (group std + adv_eps); `dr_grpo`: r -
+    group mean; `rloo`: leave-one-out baseline; `reinforce_baseline`: r - group mean, whitened over
+    the batch; `flash_reinforce`: r - the whole batch's mean reward (no groups, no whitening);
+    `reinforce_pp` (OpenRLHF's `reinforce`): REINFORCE++, the per-token KL-shaped return, whitened
+    over the batch; `gae`: PPO with a critic (whitened too); `reinforce`: the raw reward. With
+    kl_in="reward" each token's advantage has the KL penalties from it to the end added
+    (learner/advantages.py gives the order of the steps)."""
     adv_eps: float = Field(1e-6, ge=0)
-    """Added to the standard deviation when normalising advantages (GRPO, REINFORCE++)."""
+    """Added to the group's standard deviation by `grpo` (OpenRLHF's group_norm uses 1e-9)."""
+    adv_std_norm: bool = True
+    """The batch whitening of `gae`, `reinforce_pp` and `reinforce_baseline` divides by the std
+    (sqrt(max(var, 1e-8))); off: it subtracts the mean only (OpenRLHF's no_std_norm)."""
+    reward_clip_range: list[float] | None = None
+    """[low, high]: the baselined reward is clipped to it before it becomes per-token (OpenRLHF's
+    reward clip_range, default there [-10, 10]); None: not clipped."""
+    stop_properly_penalty_coef: float | None = None
+    """ProRL's penalty on completions cut at the length limit (finish_reason `length`), applied to
+    the reward before any baseline: in [0, 1] it scales their reward, below 0 it replaces it; None: off."""
     gamma: float = Field(1.0, ge=0, le=1)
     """Discount for GAE and REINFORCE++ returns."""
     gae_lambda: float = Field(1.0, ge=0, le=1)
@@ -146,18 +161,41 @@ class LearnerConfig(OptimConfig, WeightSyncAddress, BufferAddress):
     the token mean)."""
     behav_tis_cap: float = Field(2.0, gt=0)
     """C of truncated importance sampling."""
+    behav_tis_low: float = Field(0.0, ge=0)
+    """`tis` clamps w from below to this too (OpenRLHF's token `clip` mode with LOW > 0); 0: off."""
     behav_low: float = Field(0.5, ge=0)
     """Lower end of the band for `mask` and `icepop`."""
     behav_high: float = 2.0
     """Upper end of the band for `mask` and `icepop` (IcePop's paper uses [0.5, 5])."""
     behav_mask_level: Literal["token", "sequence"] = "token"
-    """`mask` mode: test each token's w, or the sequence's geometric-mean w."""
+    """`mask` and `icepop`: test each token, or the whole sequence (its geometric-mean w, or its
+    mean divergence)."""
+    behav_gating: Literal["ratio", "binary_kl", "tv"] = "ratio"
+    """What `mask` and `icepop` test against their band: w itself, or a divergence between mu and
+    pi_old of the sampled token (binary KL, or total variation |mu - pi_old|; a trust region of
+    width behav_high, behav_low must be 0). OpenRLHF's is_correction_gating."""
     kl_coef: float = Field(0.0, ge=0)
     """Weight of the KL to the reference (needs ref_logprobs from a reference scorer); 0: off."""
     kl_estimator: Literal["k1", "k2", "k3"] = "k3"
     """Schulman's estimators of KL(pi || ref) from samples of pi."""
     kl_in: Literal["loss", "reward"] = "loss"
     """Apply the KL as a loss term (on the current pi) or fold it into the reward (on pi_old)."""
+    kl_target: float | None = Field(None, gt=0)
+    """Adaptive KL controller (Ziegler et al.; OpenRLHF's kl.target): after every step kl_coef is
+    multiplied by 1 + clip(KL / kl_target - 1, -0.2, 0.2) * samples / kl_horizon, KL being the step's
+    measured KL to the reference; kl_coef is then the initial value. None: kl_coef is fixed."""
+    kl_horizon: int = Field(10000, gt=0)
+    """The adaptive controller's horizon, in samples."""
+    kl_unbiased_gradient: bool = False
+    """With kl_in="loss": keep the estimator's value but take the gradient of the importance-weighted
+    k2, min(pi / pi_old, 10) * (log pi - log ref)^2 / 2 (the same for k1, k2, k3)."""
+    policy_loss: Literal["ppo", "gspo"] = "ppo"
+    """`ppo`: the token-level decoupled PPO loss; `gspo`: GSPO's sequence-level ratio (exp of the
+    mean token log-ratio) in the clipped loss, aggregated seq-mean-token-mean (needs
+    behav_correction="none")."""
+    gspo_ratio: Literal["prox", "behav"] = "prox"
+    """GSPO's ratio is pi over pi_old (`prox`) or over the behaviour mu (`behav`: what OpenRLHF does
+    when an is_correction level is set)."""
     entropy_coef: float = Field(0.0, ge=0)
     """Entropy bonus weight (the loss subtracts entropy_coef * mean entropy); 0: not computed."""
 
@@ -212,6 +250,27 @@ class LearnerConfig(OptimConfig, WeightSyncAddress, BufferAddress):
     save_every: int = Field(0, ge=0)
     """Save a checkpoint every this many steps (0: only at the end)."""
 
+    # ---- EMA, critic warm-up, MoE aux loss, token-budget micro-batches (OpenRLHF's knobs) ------
+    ema_beta: float = Field(0.0, ge=0, lt=1)
+    """Keep an exponential moving average of the policy, ema = beta * ema + (1 - beta) * weights after
+    every optimizer step (OpenRLHF's enable_ema / ema_beta, 0.992 there); checkpoints' HF model
+    folders hold the EMA, weight rounds and the DeepSpeed state the trained weights. 0: off."""
+    critic_warmup_steps: int = Field(0, ge=0)
+    """With GAE: the first this many learner steps train the critic only; the policy stays as it is
+    (its weight rounds carry it unchanged). OpenRLHF's critic.freezing_steps."""
+    aux_loss_coef: float = Field(0.0, ge=0)
+    """Weight of a mixture-of-experts model's router load-balancing loss (its forward's aux_loss,
+    asked for with output_router_logits) in the policy loss; 0: off. A model without a router is
+    refused at start."""
+    max_tokens_per_micro_batch: int = Field(0, ge=0)
+    """Cut each mini-batch into micro-batches by tokens: the fewest (at least
+    gradient_accumulation_steps, the same number on every rank) whose forward holds at most this
+    many positions (rows x longest row; with packing, the packed row); a longer sequence gets one of
+    its own (counted in `perf/over_budget_samples`). The gradient is the count-cut one. 0: off."""
+    max_tokens_per_forward: int = Field(0, ge=0)
+    """The same budget for the no-grad forwards of a step (pi_old, the critic's old values, a LoRA
+    reference); 0: max_tokens_per_micro_batch."""
+
     def problems(self) -> list[str]:
         errs = []
         if self.dist_timeout_s <= self.batch_timeout_s:
@@ -219,12 +278,46 @@ class LearnerConfig(OptimConfig, WeightSyncAddress, BufferAddress):
                         f"{self.batch_timeout_s} (ranks wait for their batches between collectives)")
         if self.behav_low >= self.behav_high:
             errs.append(f"learner.behav_low={self.behav_low}, behav_high={self.behav_high}: need 0 <= low < high")
-        if self.kl_in == "reward" and self.kl_coef > 0 and self.advantage_estimator == "reinforce":
-            errs.append("learner.kl_in='reward' with advantage_estimator='reinforce': fold the KL with "
-                        "'reinforce_pp' (per token) or a group estimator, or use kl_in='loss'")
+        errs += self.openrlhf_knob_problems()
         if self.critic_path and self.advantage_estimator != "gae":
             errs.append(f"learner.critic_path={self.critic_path!r} is set but advantage_estimator="
                         f"{self.advantage_estimator!r} trains no critic (use 'gae')")
+        if self.critic_warmup_steps and self.advantage_estimator != "gae":
+            errs.append(f"learner.critic_warmup_steps={self.critic_warmup_steps} warms up a critic, but "
+                        f"advantage_estimator={self.advantage_estimator!r} trains none (use 'gae' or set it to 0)")
+        if self.ema_beta and self.lora_rank:
+            # EMA(B) @ EMA(A) is no average of the weights B @ A: an EMA of the factors would be another model
+            errs.append(f"learner.ema_beta={self.ema_beta} with lora_rank={self.lora_rank}: the EMA of LoRA "
+                        "factors is not an average of the merged weights; set ema_beta=0 or lora_rank=0")
+        return errs
+
+    def openrlhf_knob_problems(self) -> list[str]:
+        """The cross-field checks of the reward shaping, KL and loss knobs."""
+        errs = []
+        if self.reward_clip_range is not None and (len(self.reward_clip_range) != 2
+                                                   or self.reward_clip_range[0] >= self.reward_clip_range[1]):
+            errs.append(f"learner.reward_clip_range={self.reward_clip_range}: need [low, high] with low < high")
+        if self.stop_properly_penalty_coef is not None and self.stop_properly_penalty_coef > 1:
+            errs.append(f"learner.stop_properly_penalty_coef={self.stop_properly_penalty_coef}: need a scale in "
+                        "[0, 1] or a negative reward")
+        if self.kl_target is not None and self.kl_coef <= 0:
+            errs.append(f"learner.kl_target={self.kl_target} adapts kl_coef, which is {self.kl_coef}: "
+                        "set kl_coef > 0 (the initial coefficient)")
+        if self.behav_tis_low >= self.behav_tis_cap:
+            errs.append(f"learner.behav_tis_low={self.behav_tis_low}, behav_tis_cap={self.behav_tis_cap}: "
+                        "need low < cap")
+        if self.behav_gating != "ratio" and self.behav_correction not in ("mask", "icepop"):
+            errs.append(f"learner.behav_gating={self.behav_gating!r} gates a band: it needs behav_correction "
+                        f"'mask' or 'icepop', not {self.behav_correction!r}")
+        if self.behav_gating != "ratio" and self.behav_low != 0:
+            errs.append(f"learner.behav_gating={self.behav_gating!r} takes an upper bound only (behav_high): "
+                        f"set behav_low=0, not {self.behav_low}")
+        if self.policy_loss == "gspo" and self.behav_correction != "none":
+            errs.append(f"learner.policy_loss='gspo' applies no behaviour correction (behav_correction="
+                        f"{self.behav_correction!r}): set behav_correction='none' (gspo_ratio='behav' takes the "
+                        "ratio against mu)")
+        if self.gspo_ratio != "prox" and self.policy_loss != "gspo":
+            errs.append(f"learner.gspo_ratio={self.gspo_ratio!r} needs policy_loss='gspo'")
         return errs
 
     def missing(self) -> list[str]:

@@ -18,12 +18,17 @@ from typing import Any
 
 # summed over ranks (every other key is a mean, or a min / max by its suffix)
 SUMMED = ("perf/tokens", "perf/samples")
+# key prefixes a rank may lack (the extra logs its share's reward answers carried): the mean over the ranks that
+# have each, gathered as objects, in a step whose ranks have any
+VARYING = ("reward/extra/",)
+_RANKS_WITH_VARYING = "_ranks_with_varying"
 
 
 def reduce_across_ranks(metrics: dict[str, float], device) -> dict[str, float]:
     """Mean over ranks; `*_min` keys take the min, `*_max` the max, the keys in SUMMED the sum.
 
-    Collective: every rank must pass the same keys (the loops build them the same way on each).
+    Collective: every rank must pass the same keys (the loops build them the same way on each), but
+    for those under a VARYING prefix, each the mean over the ranks that have it.
     """
     import torch
     import torch.distributed as dist
@@ -31,9 +36,11 @@ def reduce_across_ranks(metrics: dict[str, float], device) -> dict[str, float]:
     world = dist.get_world_size()
     if world == 1:
         return dict(metrics)
+    varying = {k: v for k, v in metrics.items() if k.startswith(VARYING)}
+    metrics = {k: v for k, v in metrics.items() if k not in varying} | {_RANKS_WITH_VARYING: float(bool(varying))}
     keys = sorted(metrics)
     groups = {"min": [k for k in keys if k.endswith("_min")], "max": [k for k in keys if k.endswith("_max")]}
-    groups["sum"] = [k for k in keys if k in SUMMED]
+    groups["sum"] = [k for k in keys if k in SUMMED or k == _RANKS_WITH_VARYING]
     taken = set(groups["min"]) | set(groups["max"]) | set(groups["sum"])
     groups["mean"] = [k for k in keys if k not in taken]
     ops = {"min": dist.ReduceOp.MIN, "max": dist.ReduceOp.MAX, "sum": dist.ReduceOp.SUM, "mean": dist.ReduceOp.SUM}
@@ -46,6 +53,12 @@ def reduce_across_ranks(metrics: dict[str, float], device) -> dict[str, float]:
         if kind == "mean":
             t = t / world
         out.update(zip(ks, t.tolist()))
+    if out.pop(_RANKS_WITH_VARYING):  # every rank knows whether any has such keys: all gather, or none
+        shares: list = [None] * world
+        dist.all_gather_object(shares, varying)
+        for k in sorted({k for share in shares for k in share}):
+            values = [share[k] for share in shares if k in share]
+            out[k] = sum(values) / len(values)
     return out
 
 

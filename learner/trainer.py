@@ -5,7 +5,9 @@ Step N turns the version-N weights into version N + 1:
   2. the proximal log-probs pi_old (and the critic's old values) are computed with no grad;
   3. the behaviour correction w = pi_old / mu, the loss mask (with overlong_filter, truncated
      completions leave it) and the advantages are computed once;
-  4. ppo_epochs x num_mini_batches optimizer steps, each over gradient_accumulation_steps micro-batches;
+  4. ppo_epochs x num_mini_batches optimizer steps, each over gradient_accumulation_steps micro-batches
+     (or as many as max_tokens_per_micro_batch needs: `learner.token_budget`), each followed by the
+     EMA's update (`learner.ema`); during critic_warmup_steps only the critic is updated;
   5. the weights are now version N + 1: rank 0 tells the buffer, which admits new leases against
      it, and publishes them (every sync_every steps);
   6. the step's groups go into the ledger (`learner/ledger.py`), metrics are logged, and a
@@ -46,27 +48,18 @@ import torch.distributed as dist
 
 from buffer.client import BufferClient
 from common.ready import mark_ready
-from learner.advantages import (
-    broadcast,
-    gae_advantages,
-    grpo_advantages,
-    on_actions,
-    reinforce_pp_advantages,
-    rloo_advantages,
-    token_rewards,
-    whiten,
-)
+from learner.advantages import advantages_and_returns, stop_properly_penalty
 from learner.batching import (
     TrainBatch,
     buffer_stats,
     mini_batches,
     score_stats,
-    split_evenly,
     staleness_stats,
     to_train_batch,
 )
 from learner.checkpoint import restore_latest, save_checkpoint
 from learner.config import LearnerConfig
+from learner.ema import PolicyEMA
 from learner.engine import (
     all_reduce_sum,
     build_critic_engine,
@@ -76,13 +69,16 @@ from learner.engine import (
     process_group,
     stopped,
 )
+from learner.kl_control import KLController, kl_seq_mean
 from learner.ledger import Ledger
 from learner.lora import adapter_disabled, adapter_spec, is_lora
-from learner.losses import aggregate, behaviour_correction, kl_penalty, policy_loss, value_loss
+from learner.losses import aggregate, behaviour_correction, gspo_loss, kl_penalty, policy_loss, value_loss
 from learner.metrics import MetricsWriter, reduce_across_ranks
 from learner.modeling import masked_mean, next_token_stats
-from learner.packing import PackedRows, regroup
+from learner.moe import RouterAuxLoss
+from learner.packing import PackedRows
 from learner.source import due, evaluate, fetch_batch, handshake, step_group_ids, tell_version
+from learner.token_budget import forward_chunks, over_budget, plan_micro_batches
 
 log = logging.getLogger("conveyor.learner")
 
@@ -111,6 +107,7 @@ def train_rank(cfg: LearnerConfig, source, rank: int, world: int, device: torch.
     (the buffer client, and on rank 0 the ledger, the metrics writer and the weight sender) is closed."""
     torch.manual_seed(cfg.seed)
     policy = build_policy_engine(cfg)
+    aux = RouterAuxLoss(policy, cfg.aux_loss_coef, cfg.model_path) if cfg.aux_loss_coef else None
     critic = build_critic_engine(cfg) if cfg.advantage_estimator == "gae" else None
     pad_id = policy.module.config.pad_token_id or 0
 
@@ -119,6 +116,10 @@ def train_rank(cfg: LearnerConfig, source, rank: int, world: int, device: torch.
         step, ckpt = restore_latest(cfg.run_dir, policy, critic, "run.learner_ranks", "learner.zero_stage")
     if ckpt is not None and rank == 0:
         log.info(f"resumed from {ckpt} at step {step}")
+    kl_ctl = KLController.for_run(cfg, ckpt)  # (an adaptive coefficient goes on from where it was)
+    ema = PolicyEMA(policy, cfg.ema_beta) if cfg.ema_beta else None  # from the weights the run starts with
+    if ema is not None and ckpt is not None:
+        ema.load(ckpt)
     start_step = saved_step = step
 
     with ExitStack() as opened:
@@ -157,7 +158,8 @@ def train_rank(cfg: LearnerConfig, source, rank: int, world: int, device: torch.
 
             tb = to_train_batch(batch.scored, pad_id).to(device)
             t1 = time.monotonic()
-            metrics = train_step(cfg, policy, critic, tb, step, world)
+            metrics = train_step(kl_ctl.step_config(cfg), policy, critic, tb, step, world, ema, aux)
+            metrics.update(kl_ctl.after_step(cfg, metrics, world, device))  # before a checkpoint keeps it
             t_train = time.monotonic() - t1
             trained_step, step = step, step + 1  # the weights are now version `step`
 
@@ -173,7 +175,7 @@ def train_rank(cfg: LearnerConfig, source, rank: int, world: int, device: torch.
 
             t3 = time.monotonic()
             if cfg.save_every and step % cfg.save_every == 0:
-                checkpoint(cfg, step, policy, critic, ledger)
+                checkpoint(cfg, step, policy, critic, ledger, ema=ema, extra=kl_ctl.state())
                 saved_step = step
             t_save = time.monotonic() - t3
 
@@ -194,14 +196,15 @@ def train_rank(cfg: LearnerConfig, source, rank: int, world: int, device: torch.
                     metrics.setdefault(k, v)
                 metrics.update(evaluated)
                 writer.log(trained_step, metrics)
-                log.info(f"step {trained_step}: loss {metrics['loss/policy']:.4f} reward {metrics['reward/mean']:.3f} "
-                    f"staleness {metrics.get('buffer/staleness_mean', 0):.2f} wait {t_wait:.2f}s train {t_train:.2f}s")
+                log.info(f"step {trained_step}: loss {metrics.get('loss/policy', 0.0):.4f} "
+                    f"reward {metrics['reward/mean']:.3f} staleness {metrics.get('buffer/staleness_mean', 0):.2f} "
+                    f"wait {t_wait:.2f}s train {t_train:.2f}s")
             last = metrics
 
         if rank == 0 and step == cfg.total_steps and step > start_step and due(cfg, step):
             writer.log(step, evaluate(source, step, cfg))  # the final policy's
         if step > start_step and saved_step != step:
-            checkpoint(cfg, step, policy, critic, ledger, final=True)
+            checkpoint(cfg, step, policy, critic, ledger, final=True, ema=ema, extra=kl_ctl.state())
     return last
 
 
@@ -209,43 +212,60 @@ def train_rank(cfg: LearnerConfig, source, rank: int, world: int, device: torch.
 # one step
 
 
-def train_step(cfg: LearnerConfig, policy, critic, tb: TrainBatch, step: int, world: int) -> dict[str, float]:
-    """Steps 2-4 of the loop on this rank's share `tb`; returns metrics (this rank's; the loop reduces)."""
+def train_step(cfg: LearnerConfig, policy, critic, tb: TrainBatch, step: int, world: int,
+               ema: PolicyEMA | None = None, aux: RouterAuxLoss | None = None) -> dict[str, float]:
+    """Steps 2-4 of the loop on this rank's share `tb`; returns metrics (this rank's; the loop reduces).
+    `ema`: updated after each optimizer step of the policy; `aux`: the MoE router loss to add."""
     grad_accum = cfg.gradient_accumulation_steps
     metrics = prepare_step(cfg, policy, critic, tb, step, world)
+    train_policy = step >= cfg.critic_warmup_steps  # during the critic's warm-up the policy stays as it is
 
     # 4. the updates
     sums: dict[str, float] = defaultdict(float)
-    grad_norms, critic_grad_norms = [], []
+    grad_norms, critic_grad_norms, n_micro = [], [], []
     lengths = tb.attention_mask.sum(-1).tolist()
     for epoch in range(cfg.ppo_epochs):
         for micro in mini_batches(tb.size, cfg.num_mini_batches, grad_accum, seed=shuffle_seed(cfg, step, epoch)):
             num_tokens, num_seqs = mini_batch_denominators(tb.loss_mask, micro, world, grad_accum)
-            if cfg.packing:  # the same rows, dealt so that each micro-batch packs without gaps
-                micro = regroup(lengths, micro)
-            capacity = max(lengths[i] for idx in micro for i in idx.tolist())
-            for idx in micro:
-                mb = tb.select(idx)
-                packed = packed_rows(cfg, mb, capacity)  # shared by the policy and the critic
-                loss, parts = policy_micro_loss(cfg, policy, mb, packed, num_tokens, num_seqs)
-                policy.backward(loss)
-                policy.step()  # DeepSpeed applies the update at the last micro-batch of the mini-batch
+            # the same rows, dealt to pack without gaps or cut by the token budget: the gradient is the same
+            plan = plan_micro_batches(cfg, lengths, micro, tb.input_ids.device)
+            n_micro.append(len(plan.micro))
+            for j in range(len(plan.micro)):
+                mb = plan.select(tb, j)
+                packed = packed_rows(cfg, mb, plan.capacity)  # shared by the policy and the critic
+                parts = {}
+                if train_policy:
+                    plan.boundary(policy, j)
+                    loss, parts = policy_micro_loss(cfg, policy, mb, packed, num_tokens, num_seqs)
+                    if aux is not None:
+                        loss = aux.add(loss, parts, plan.row_weight(j, grad_accum))
+                    policy.backward(loss)
+                    policy.step()  # DeepSpeed applies the update at the last micro-batch of the mini-batch
                 if critic is not None:
+                    plan.boundary(critic, j)
                     v_loss, vm = value_loss(critic_values(critic, mb, packed), mb.old_values, mb.returns,
                                             mb.loss_mask, cfg.value_clip_eps, cfg.loss_agg, num_tokens, num_seqs)
                     critic.backward(v_loss)
                     critic.step()
                     parts.update({"loss/value": v_loss.item(), **{f"critic/{k}": v for k, v in vm.items()}})
-                for k, v in parts.items():
-                    sums[k] += v / grad_accum
-            grad_norms.append(grad_norm(policy))
+                plan.accumulate(sums, parts, j, grad_accum)
+            if train_policy:
+                grad_norms.append(grad_norm(policy))
+                if ema is not None:
+                    ema.update(policy)
             if critic is not None:
                 critic_grad_norms.append(grad_norm(critic))
 
     updates = cfg.updates_per_step
     metrics.update({k: v / updates for k, v in sums.items()})
     metrics.setdefault("loss/kl", 0.0)
-    metrics["optim/grad_norm"] = sum(grad_norms) / len(grad_norms)
+    metrics["policy/frozen"] = float(not train_policy)
+    metrics["perf/micro_batches"] = sum(n_micro) / len(n_micro)
+    metrics["perf/over_budget_samples"] = n_over = float(over_budget(lengths, cfg.max_tokens_per_micro_batch))
+    if n_over:
+        log.warning(f"step {step}: {n_over:.0f} sample(s) longer than learner.max_tokens_per_micro_batch="
+                    f"{cfg.max_tokens_per_micro_batch} (up to {max(lengths)} tokens): each took a micro-batch alone")
+    metrics["optim/grad_norm"] = sum(grad_norms) / len(grad_norms) if grad_norms else 0.0
     metrics["optim/lr"] = float(policy.get_lr()[0])
     if critic is not None:
         metrics["optim/critic_grad_norm"] = sum(critic_grad_norms) / len(critic_grad_norms)
@@ -264,10 +284,7 @@ def prepare_step(cfg: LearnerConfig, policy, critic, tb: TrainBatch, step: int, 
     mask = tb.action_mask  # the completion tokens the policy sampled (a multi-turn episode's are not all)
 
     # 2. pi_old: the weights at the start of the step, no grad (and the critic's values)
-    chunks = split_evenly(torch.arange(tb.size), n_chunks)
-    longest = int(tb.attention_mask.sum(-1).max())
-    if cfg.packing:
-        chunks = regroup(tb.attention_mask.sum(-1).tolist(), chunks)
+    chunks, longest = forward_chunks(cfg, tb.attention_mask.sum(-1).tolist(), n_chunks, tb.input_ids.device)
     tb.prox_logprobs = forward_in_chunks(lambda mb: next_token_stats(
         policy, mb.input_ids, mb.attention_mask, cfg.temperature, packed_rows(cfg, mb, longest))[0], tb, chunks)
     if critic is not None:
@@ -283,7 +300,7 @@ def prepare_step(cfg: LearnerConfig, policy, critic, tb: TrainBatch, step: int, 
     # 3. behaviour correction and advantages, fixed for the whole step
     tb.weights, tb.loss_mask, behav = behaviour_correction(
         tb.prox_logprobs, tb.behav_logprobs, mask, cfg.behav_correction, cfg.behav_tis_cap,
-        cfg.behav_low, cfg.behav_high, cfg.behav_mask_level)
+        cfg.behav_low, cfg.behav_high, cfg.behav_mask_level, cfg.behav_gating, cfg.behav_tis_low)
     if cfg.overlong_filter:
         # DAPO: a truncated completion's tokens leave the loss and its denominators; its reward
         # still counts in its group's advantages and in the reward statistics
@@ -300,6 +317,7 @@ def prepare_step(cfg: LearnerConfig, policy, critic, tb: TrainBatch, step: int, 
         "advantages/mean": float(masked_mean(tb.advantages, mask)),
         "advantages/std": float(masked_mean((tb.advantages - masked_mean(tb.advantages, mask)).square(), mask).sqrt()),
         "policy/kl_to_ref": float(masked_mean(kl_ref, mask)) if kl_ref is not None else 0.0,
+        **kl_seq_mean(kl_ref, mask),  # (what an adaptive KL controller measures with kl_in="reward")
         "perf/tokens": float(tb.attention_mask.sum()),
         "perf/samples": float(tb.size),
         "perf/completion_len": float(mask.sum(-1).float().mean()),
@@ -316,13 +334,18 @@ def policy_micro_loss(cfg: LearnerConfig, policy, mb: TrainBatch, packed: Packed
     and its metrics. `packed`: run the forward on mb's packed rows (`mb.packed_rows()`)."""
     logprobs, entropy = next_token_stats(policy, mb.input_ids, mb.attention_mask, cfg.temperature, packed,
                                          entropy=cfg.entropy_coef > 0)  # (b, t) each
-    pg_loss, pg = policy_loss(logprobs, mb.prox_logprobs, mb.advantages, mb.loss_mask, mb.weights,
-                              cfg.clip_eps_low, cfg.clip_eps_high, cfg.dual_clip_c, cfg.loss_agg, num_tokens, num_seqs)
+    if cfg.policy_loss == "gspo":
+        base = mb.behav_logprobs if cfg.gspo_ratio == "behav" else mb.prox_logprobs
+        pg_loss, pg = gspo_loss(logprobs, base, mb.advantages, mb.loss_mask, cfg.clip_eps_low, cfg.clip_eps_high,
+                                cfg.dual_clip_c, num_seqs)
+    else:
+        pg_loss, pg = policy_loss(logprobs, mb.prox_logprobs, mb.advantages, mb.loss_mask, mb.weights, cfg.clip_eps_low,
+                                  cfg.clip_eps_high, cfg.dual_clip_c, cfg.loss_agg, num_tokens, num_seqs)
     loss = pg_loss
     parts = {f"policy/{k}": v for k, v in pg.items()}
     if cfg.kl_coef > 0 and cfg.kl_in == "loss":
-        kl = aggregate(kl_penalty(logprobs, mb.ref_logprobs, cfg.kl_estimator), mb.loss_mask,
-                       cfg.loss_agg, num_tokens, num_seqs)
+        kl = aggregate(kl_penalty(logprobs, mb.ref_logprobs, cfg.kl_estimator, cfg.kl_unbiased_gradient,
+                                  mb.prox_logprobs), mb.loss_mask, cfg.loss_agg, num_tokens, num_seqs)
         loss = loss + cfg.kl_coef * kl
         parts["loss/kl"] = kl.item()
     if entropy is not None:
@@ -348,33 +371,16 @@ def critic_values(critic, mb: TrainBatch, packed: PackedRows | None) -> torch.Te
 
 def compute_advantages(cfg: LearnerConfig, tb: TrainBatch, kl_ref: torch.Tensor | None,
                        sum_fn=None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Advantages and returns (B, T) by `cfg.advantage_estimator`.
-
-    With kl_in="reward", the KL to the reference (under pi_old) is folded in: per token for the
-    token-level estimators, summed over the completion for the sequence-level ones.
+    """Advantages and returns (B, T) by `cfg.advantage_estimator` (`learner.advantages`: baseline,
+    reward clip, per-token reward, returns or GAE, whitening), from the rewards after the
+    stop-properly penalty. With kl_in="reward", each token's reward has kl_coef times its KL to
+    the reference (under pi_old) taken off.
     """
-    mask = tb.action_mask
     fold = kl_ref is not None and cfg.kl_coef > 0 and cfg.kl_in == "reward"
-    est = cfg.advantage_estimator
-    if est in ("gae", "reinforce_pp"):
-        rewards = token_rewards(tb.rewards, mask, kl_ref if fold else None, cfg.kl_coef)  # (B, T)
-        if est == "reinforce_pp":
-            return on_actions(reinforce_pp_advantages, mask, rewards, gamma=cfg.gamma, eps=cfg.adv_eps, sum_fn=sum_fn)
-        adv, returns = on_actions(gae_advantages, mask, rewards, tb.old_values, gamma=cfg.gamma, lam=cfg.gae_lambda)
-        return whiten(adv, mask, cfg.adv_eps, sum_fn), returns
-    rewards = tb.rewards - cfg.kl_coef * kl_ref.sum(-1) if fold else tb.rewards  # (B,)
-    if est == "grpo":
-        adv = grpo_advantages(rewards, tb.group_ids, cfg.adv_eps)
-    elif est == "dr_grpo":
-        adv = grpo_advantages(rewards, tb.group_ids, cfg.adv_eps, scale_by_std=False)
-    elif est == "rloo":
-        adv = rloo_advantages(rewards, tb.group_ids)
-    elif est == "reinforce":
-        adv = rewards
-    else:
-        raise ValueError(f"unknown advantage_estimator {est!r}")
-    adv = broadcast(adv, mask)
-    return adv, adv
+    rewards = stop_properly_penalty(tb.rewards, tb.truncated, cfg.stop_properly_penalty_coef)  # (B,)
+    return advantages_and_returns(
+        cfg.advantage_estimator, rewards, tb.group_ids, tb.action_mask, kl_ref if fold else None, cfg.kl_coef,
+        tb.old_values, cfg.gamma, cfg.gae_lambda, cfg.adv_eps, cfg.adv_std_norm, cfg.reward_clip_range, sum_fn)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -440,10 +446,15 @@ def weight_sender(cfg: LearnerConfig, weight_sync=None):
                                     timeout_s=cfg.weight_sync_timeout_s)
 
 
-def checkpoint(cfg: LearnerConfig, step: int, policy, critic, ledger: Ledger | None, final: bool = False) -> None:
+def checkpoint(cfg: LearnerConfig, step: int, policy, critic, ledger: Ledger | None, final: bool = False,
+               ema: PolicyEMA | None = None, extra: dict | None = None) -> None:
     """Save step `step` (collective); the ledger lines the checkpoint relies on reach the disk first.
-    A LoRA policy's checkpoint holds the merged HF model too when `lora_save_merged` or `final`."""
+    A LoRA policy's checkpoint holds the merged HF model too when `lora_save_merged` or `final`;
+    with `ema`, the HF model is the EMA and the folder holds its state (`learner.ema`); `extra`
+    goes into trainer_state.json (the KL coefficient)."""
     if ledger is not None:
         ledger.sync()
-    save_checkpoint(cfg.run_dir, step, policy, critic, cfg.model_path, keep=cfg.keep_checkpoints,
-                    merged=cfg.lora_save_merged or final)
+    out = save_checkpoint(cfg.run_dir, step, policy, critic, cfg.model_path, extra=extra, keep=cfg.keep_checkpoints,
+                          merged=cfg.lora_save_merged or final)
+    if ema is not None:
+        ema.save(out, policy)

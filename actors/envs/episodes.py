@@ -25,6 +25,10 @@ reward component.
 An environment that raises, outlives its timeout or returns what the API does not allow fails its
 episode (`actors.envs.api.EnvFailure`, counted by kind); as with a prompt refused, the episode's group is
 given up (the buffer takes a group whole), never the generator.
+
+An OpenRLHF file whose `AgentExecutor` has its own `execute` (`factory` is then an
+`actors.envs.agent_executor.ExecutorEpisodes`) plays each episode itself: its engine calls join
+the same batches, and what it returns becomes the episode (see that module).
 """
 
 from __future__ import annotations
@@ -36,7 +40,8 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
-from actors.engines.base import Engine, Sampling
+from actors.engines.base import Completion, Engine, Sampling
+from actors.envs.agent_executor import ExecutorEpisodes, Played, prompt_text
 from actors.envs.api import EnvFailure, Row, encode_observation, run_reset, run_step
 from actors.prompts import encode_prompt
 from buffer.messages import ID_DTYPE, LOGPROB_DTYPE, PromptGroup, Rollout
@@ -95,10 +100,14 @@ class Batcher:
     """The engine's batches for episodes that each go at their own pace: a turn waiting to be
     sampled joins the next batch (contexts of the same sampling settings go together), which runs
     in a worker thread while the event loop keeps stepping environments. So a slow environment
-    holds back its own episode, not the others, and the engine is never asked twice at once."""
+    holds back its own episode, not the others, and the engine is never asked twice at once.
 
-    def __init__(self, generate):
-        self.generate = generate
+    Turns that differ only in max_tokens (each episode's room under the context limit) go together,
+    sampled with the largest and each cut to its own (`cut`): sampling is token by token, so the
+    first k tokens of a longer sample are a sample of k tokens."""
+
+    def __init__(self, generate, tokenizer=None):
+        self.generate, self.tokenizer = generate, tokenizer
         self.waiting: list[tuple[list[int], Sampling, asyncio.Future]] = []
         self.wake = asyncio.Event()
         self.batches = 0
@@ -119,24 +128,53 @@ class Batcher:
             by_sampling: dict[tuple, list] = {}
             for item in batch:
                 s = item[1]
-                by_sampling.setdefault((s.max_tokens, s.temperature, s.top_p, s.top_k, tuple(s.stop)), []).append(item)
+                key = (s.temperature, s.top_p, s.top_k, tuple(s.stop), tuple(s.stop_token_ids), s.seed)
+                by_sampling.setdefault(key if self.tokenizer is not None else (s.max_tokens, *key), []).append(item)
             for items in by_sampling.values():
+                most = replace(items[0][1], max_tokens=max(s.max_tokens for _, s, _ in items))
                 try:
-                    out = await loop.run_in_executor(None, self.generate, [c for c, _, _ in items], items[0][1])
+                    out = await loop.run_in_executor(None, self.generate, [c for c, _, _ in items], most)
                 except Exception as e:  # (the engine refused a context: every episode of the batch hears it)
                     for _, _, fut in items:
-                        fut.set_exception(e)
+                        if not fut.done():  # (else: its episode was cancelled meanwhile)
+                            fut.set_exception(e)
                     continue
                 self.batches += 1
-                for (_, _, fut), c in zip(items, out):
-                    fut.set_result(c)
+                for (_, s, fut), c in zip(items, out):
+                    if not fut.done():
+                        fut.set_result(cut(c, s.max_tokens, self.tokenizer))
+
+
+def cut(c: Completion, max_tokens: int, tokenizer) -> Completion:
+    """A completion sampled with a larger max_tokens as the one sampled with `max_tokens`: its first
+    tokens, ended by the length limit. (Had one of them ended it, the sample would have stopped there.)"""
+    if len(c.token_ids) <= max_tokens:
+        return c
+    ids = c.token_ids[:max_tokens]
+    return Completion(ids, c.logprobs[:max_tokens], "length", tokenizer.decode(ids, skip_special_tokens=True),
+                      None if c.versions is None else c.versions[:max_tokens])
 
 
 async def _play(groups, prompt_ids, n, engine, sampling, cfg, factory, generate, counts):
     tok = engine.tokenizer
-    episodes = [Episode(g, j, factory(), list(ids)) for g, ids in zip(groups, prompt_ids) for j in range(n)]
+    executor = factory if isinstance(factory, ExecutorEpisodes) else None
+    episodes = [Episode(g, j, None if executor else factory(), list(ids))
+                for g, ids in zip(groups, prompt_ids) for j in range(n)]
     limit = context_limit(cfg)
-    batcher = Batcher(generate)
+    batcher = Batcher(generate, tok)
+
+    # the file's execute plays the whole episode, within OpenRLHF's max_length: at most what the engine holds
+    max_length = min(limit, cfg.max_model_len) if cfg.max_model_len else limit
+
+    async def execute(e: Episode) -> None:
+        out = await executor.play(prompt_text(tok, e.group.prompt, e.group.messages, cfg.use_chat_template),
+                                  e.group.label, batcher.sample, tok, sampling, max_length, lambda: engine.version,
+                                  cfg.session_timeout_s, counts)
+        if isinstance(out, EnvFailure):
+            e.failure = out
+            return
+        fill(e, out, tok)
+        counts["episodes_truncated"] += out.truncated
 
     async def play(e: Episode) -> None:
         opening = await run_reset(e.env, Row.of(e.group), cfg.env_timeout_s, counts)
@@ -172,12 +210,20 @@ async def _play(groups, prompt_ids, n, engine, sampling, cfg, factory, generate,
 
     server = asyncio.create_task(batcher.serve())
     try:
-        await asyncio.gather(*(play(e) for e in episodes))
+        await asyncio.gather(*((execute if executor else play)(e) for e in episodes))
     finally:
         server.cancel()
     counts["episodes_failed"] += sum(e.failure is not None for e in episodes)
     counts["engine_batches"] += batcher.batches
     return {g.group_id: [e for e in episodes if e.group.group_id == g.group_id] for g in groups}
+
+
+def fill(e: Episode, out: Played, tokenizer) -> None:
+    """The episode an executor played, as the generator's own loop would have left it."""
+    e.prompt_ids, e.ids, e.mask, e.logprobs, e.versions = out.prompt_ids, out.ids, out.mask, out.logprobs, out.versions
+    e.texts = [tokenizer.decode(out.ids, skip_special_tokens=True)]
+    e.reward, e.turns = out.reward, sum(1 for i, m in enumerate(out.mask) if m and (i == 0 or not out.mask[i - 1]))
+    e.finish = "length" if out.truncated else "stop"
 
 
 def rollout_of(e: Episode, lease_id: int, worker_id: str) -> Rollout:

@@ -7,6 +7,7 @@ import inspect
 from pathlib import Path
 from typing import Any, Callable
 
+from actors.envs.agent_executor import load_executor, own_execute
 from actors.envs.api import EnvLoadError, brief
 from actors.envs.arena import textarena_env
 from actors.envs.files import REPO, exec_file
@@ -19,7 +20,9 @@ NAMED_ENVS = {"guess": "examples/envs/guess.py:GuessEnv"}  # name -> spec, paths
 
 def load_env(spec: str, kwargs: dict | None = None, key: str = "env") -> Callable[[], Any]:
     """A factory of fresh environments (one per episode) from `spec` (see the module docstring);
-    errors quote `key`, the config key that holds the spec."""
+    errors quote `key`, the config key that holds the spec. An OpenRLHF file whose `AgentExecutor`
+    has its own `execute` gives an `ExecutorEpisodes` instead (actors/envs/agent_executor.py): it
+    plays each episode itself, against the engine."""
     kwargs = dict(kwargs or {})
     where = f"{key}={spec!r}"
     if spec == "tools":
@@ -43,13 +46,19 @@ def load_env(spec: str, kwargs: dict | None = None, key: str = "env") -> Callabl
             module = moved.import_module(source)
         except ImportError as e:
             raise EnvLoadError(f"{where}: no such file, and importing module {source!r} failed: {e}") from None
-    cls = agent_class(module, where) if not name else getattr(module, name, None)
+    if name:
+        cls = getattr(module, name, None)
+    else:  # as OpenRLHF: the file's AgentExecutor, whose execute plays the episode or its AgentInstance
+        executor = getattr(module, "AgentExecutor", None)
+        cls = executor if own_execute(executor) else agent_class(module, where)
     if cls is None:
         classes = sorted(k for k, v in vars(module).items() if isinstance(v, type) and v.__module__ == module.__name__)
         raise EnvLoadError(f"{where}: {source} defines no {name!r} (its classes: {', '.join(classes) or 'none'})")
     if not isinstance(cls, type):
         raise EnvLoadError(f"{where}: {name} is {brief(cls)}, not a class")
     _check_signature(cls, kwargs, where)
+    if own_execute(cls):
+        return load_executor(cls, kwargs, where)
     if issubclass(cls, AgentInstanceBase):
         return functools.partial(OpenRLHFAgent, cls, kwargs)
     for method in ("reset", "step"):

@@ -5,18 +5,21 @@ a stand-in (`openrlhf_standin`) holding this file's `AgentInstanceBase`, `AgentE
 `MultiTurnAgentExecutor`. OpenRLHF takes the agent class from the file's `AgentExecutor` (its
 `agent_instance_cls`); `OpenRLHFAgent` plays that class as a Conveyor `Environment`, feeding it
 the states OpenRLHF feeds it and passing on what it returns (`rewards`, `scores`,
-`environment_feedback`, `done`, `extra_logs`) as OpenRLHF uses them.
+`environment_feedback`, `done`, `extra_logs`) as OpenRLHF uses them. A file whose `AgentExecutor`
+has an `execute` of its own drives the engine itself: actors/envs/agent_executor.py runs it.
 """
 
 from __future__ import annotations
 
 import abc
+import copy
 import inspect
 import logging
 import sys
 import types
 from contextlib import contextmanager
 
+from actors.answers import extract_boxed_answer, get_tokenizer, grade_answer
 from actors.envs.api import BadReturn, Environment, EnvLoadError, Row, StepResult, brief, check_text, flag, number
 
 log = logging.getLogger("conveyor.env")
@@ -38,7 +41,8 @@ class AgentInstanceBase(abc.ABC):
 
 
 class AgentExecutorBase(abc.ABC):
-    """OpenRLHF's base of an executor, which runs a whole episode against its engine (not used here)."""
+    """OpenRLHF's base of an executor, which runs a whole episode against its engine; a file's own
+    `execute` is run by actors/envs/agent_executor.py."""
 
     @abc.abstractmethod
     async def execute(self, prompt, label, sampling_params, max_length: int, hf_tokenizer, llm_engine, images=None):
@@ -46,7 +50,10 @@ class AgentExecutorBase(abc.ABC):
 
 
 class MultiTurnAgentExecutor(AgentExecutorBase):
-    """OpenRLHF's multi-turn executor; here it only names the agent class: the generator runs the turns."""
+    """OpenRLHF's multi-turn executor. Mostly it only names the agent class, which `OpenRLHFAgent`
+    plays in the generator's own loop; a subclass whose `execute` calls this one gets OpenRLHF's
+    loop against the engine it is handed (the agent's turns until it says done or `max_length`
+    tokens are used; the feedback tokenised alone and appended; OpenRLHF's dict)."""
 
     def __init__(self, agent_instance_cls):
         if not (isinstance(agent_instance_cls, type) and issubclass(agent_instance_cls, AgentInstanceBase)):
@@ -54,20 +61,68 @@ class MultiTurnAgentExecutor(AgentExecutorBase):
         self.agent_instance_cls = agent_instance_cls
 
     async def execute(self, prompt, label, sampling_params, max_length: int, hf_tokenizer, llm_engine, images=None):
-        raise NotImplementedError("Conveyor's generator runs the turns; the agent is played by actors.envs.api")
+        if images:
+            raise ValueError("images are not supported")
+        agent = await new_agent(self.agent_instance_cls, {})
+        text = (await _maybe_await(agent.reset({"observation": prompt, "label": label})))["observation"]
+        tokens = list(hf_tokenizer(text=text, add_special_tokens=False)["input_ids"])
+        keep = max_length - (getattr(sampling_params, "max_tokens", None) or 1)  # room for one turn at least
+        if len(tokens) > keep:  # the opening's tail, as OpenRLHF keeps it
+            tokens = tokens[-keep:] if keep > 0 else []
+            text = hf_tokenizer.decode(tokens, skip_special_tokens=False)
+        want_logprobs = sampling_params.logprobs is not None
+        logprobs = [0.0] * len(tokens)
+        ranges, reward, scores, extra_logs, truncated = [], 0.0, 0.0, {}, False
+        while max_length - len(tokens) > 0:
+            sampling_params.max_tokens = max_length - len(tokens)
+            output = (await llm_engine.generate(tokens, copy.deepcopy(sampling_params))).outputs[0]
+            action = list(output.token_ids)
+            truncated = output.finish_reason == "length"
+            ranges.append((len(tokens), len(tokens) + len(action)))
+            out = await _maybe_await(agent.step({"observation_text": text, "action_text": output.text, "label": label,
+                                                 "sampling_params": sampling_params}))
+            reward += number(out["rewards"], "rewards")
+            scores, extra_logs = out.get("scores", reward), out.get("extra_logs", {})
+            feedback = list(hf_tokenizer(text=out["environment_feedback"], add_special_tokens=False)["input_ids"])
+            text += output.text + out["environment_feedback"]
+            if want_logprobs:
+                logprobs += [step[t].logprob for t, step in zip(action, output.logprobs)] + [0.0] * len(feedback)
+            tokens += action + feedback
+            sampling_params = out.get("sampling_params") or sampling_params
+            if out["done"]:
+                break
+        return {"prompt": prompt, "label": label, "images": images, "mm_train_inputs": None, "reward": reward,
+                "scores": scores, "observation_tokens": tokens, "action_ranges": ranges,
+                "rollout_log_probs": logprobs if want_logprobs else None, "truncated": truncated,
+                "extra_logs": extra_logs}
+
+
+async def new_agent(cls: type, kwargs: dict):
+    """`cls(**kwargs)`, awaiting an `async def __init__` (as OpenRLHF's README writes one)."""
+    if not inspect.iscoroutinefunction(cls.__init__):
+        return cls(**kwargs)
+    agent = cls.__new__(cls)
+    await agent.__init__(**kwargs)
+    return agent
 
 
 @contextmanager
 def openrlhf_standin():
-    """`openrlhf.utils.agent` (and `.logging_utils`) in sys.modules while an agent file is executed."""
-    names = ("openrlhf", "openrlhf.utils", "openrlhf.utils.agent", "openrlhf.utils.logging_utils")
+    """OpenRLHF's modules that agent and reward files import, in sys.modules while such a file is
+    executed: `openrlhf.utils` (`extract_boxed_answer`, `grade_answer`, `get_tokenizer`: see
+    actors/answers.py), `.agent`, `.math_utils` and `.logging_utils`."""
+    names = ("openrlhf", "openrlhf.utils", "openrlhf.utils.agent", "openrlhf.utils.logging_utils",
+             "openrlhf.utils.math_utils")
     saved = {n: sys.modules.get(n) for n in names}
-    root, utils, agent, logs = (types.ModuleType(n) for n in names)
-    root.utils, utils.agent, utils.logging_utils = utils, agent, logs
+    root, utils, agent, logs, maths = (types.ModuleType(n) for n in names)
+    root.utils, utils.agent, utils.logging_utils, utils.math_utils = utils, agent, logs, maths
     agent.AgentInstanceBase, agent.AgentExecutorBase = AgentInstanceBase, AgentExecutorBase
     agent.MultiTurnAgentExecutor = MultiTurnAgentExecutor
     logs.init_logger = logging.getLogger
-    sys.modules.update(zip(names, (root, utils, agent, logs)))
+    for module in (utils, maths):
+        module.extract_boxed_answer, module.grade_answer = extract_boxed_answer, grade_answer
+    utils.get_tokenizer = get_tokenizer
+    sys.modules.update(zip(names, (root, utils, agent, logs, maths)))
     try:
         yield
     finally:
@@ -79,11 +134,11 @@ def openrlhf_standin():
 
 
 def agent_class(module: types.ModuleType, where: str) -> type:
-    """The agent class of an OpenRLHF agent file: `AgentExecutor().agent_instance_cls`, else `AgentInstance`."""
+    """The agent class of an OpenRLHF agent file: `AgentExecutor().agent_instance_cls`, else
+    `AgentInstance`. (A file whose `AgentExecutor` has its own `execute` drives generation itself:
+    actors/envs/agent_executor.py runs it, and the loader never asks for its agent class.)"""
     executor = getattr(module, "AgentExecutor", None)
     if isinstance(executor, type) and issubclass(executor, MultiTurnAgentExecutor):
-        if executor.execute is not MultiTurnAgentExecutor.execute:
-            log.warning("%s: AgentExecutor.execute is not called: the generator runs the turns", where)
         try:
             return executor().agent_instance_cls
         except Exception as e:
@@ -93,8 +148,9 @@ def agent_class(module: types.ModuleType, where: str) -> type:
         if executor is not None:
             log.warning("%s: AgentExecutor is not a MultiTurnAgentExecutor; playing AgentInstance", where)
         return cls
-    raise EnvLoadError(f"{where}: an OpenRLHF agent file must define `AgentExecutor(MultiTurnAgentExecutor)` "
-                       "or `AgentInstance(AgentInstanceBase)`; to load another class, name it: file.py:ClassName")
+    raise EnvLoadError(f"{where}: an OpenRLHF agent file must define `AgentExecutor(MultiTurnAgentExecutor)`, "
+                       "`AgentExecutor(AgentExecutorBase)` with its own execute, or "
+                       "`AgentInstance(AgentInstanceBase)`; to load another class, name it: file.py:ClassName")
 
 
 class OpenRLHFAgent(Environment):
@@ -121,11 +177,7 @@ class OpenRLHFAgent(Environment):
         self.total_reward = 0.0
 
     async def reset(self, row: Row) -> str | None:
-        if inspect.iscoroutinefunction(self.agent_cls.__init__):
-            self.agent = self.agent_cls.__new__(self.agent_cls)
-            await self.agent.__init__(**self.kwargs)
-        else:
-            self.agent = self.agent_cls(**self.kwargs)
+        self.agent = await new_agent(self.agent_cls, self.kwargs)
         out = await _maybe_await(self.agent.reset({"observation": row.prompt, "label": row.label}))
         if not isinstance(out, dict) or not isinstance(out.get("observation"), str):
             raise BadReturn(f"returned {brief(out)}, expected {{'observation': str}}")

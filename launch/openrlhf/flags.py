@@ -112,9 +112,10 @@ def engines(v: str) -> int:
     return int(v)
 
 
-estimator = choose({"group_norm": "grpo", "grpo": "grpo", "dr_grpo": "dr_grpo", "rloo": "rloo", "gae": "gae",
-                    "reinforce": "reinforce_pp", "reinforce_baseline": "rloo", "reinforce_pp": "reinforce_pp"},
-                   "flash_reinforce's rollout-batch mean baseline is not implemented")
+estimator = choose({"group_norm": "group_norm", "grpo": "grpo", "dr_grpo": "dr_grpo", "rloo": "rloo", "gae": "gae",
+                    "reinforce": "reinforce_pp", "reinforce_baseline": "reinforce_baseline",
+                    "reinforce_pp": "reinforce_pp", "flash_reinforce": "flash_reinforce"},
+                   "not one of gae, reinforce, rloo, reinforce_baseline, group_norm, dr_grpo, flash_reinforce")
 param_dtype = choose({"bf16": "bfloat16", "fp32": "float32"}, "fp16 training is not supported (bf16)")
 schedule = choose({"cosine_with_min_lr": "cosine", "cosine": "cosine", "linear": "linear", "constant": "constant",
                    "constant_with_warmup": "constant"}, "not one of cosine_with_min_lr, linear, constant")
@@ -170,6 +171,12 @@ TABLE: dict[str, Spec] = {
     "algo.advantage.is_correction_gating": to("extra.is_correction_gating", why="ratio only"),
     "algo.advantage.is_correction_threshold": to("extra.is_correction_threshold", convert=floats,
                                                  why="learner.behav_low, behav_high (or tis cap)"),
+    # 0.11.0 and 0.11.1 spell the same correction as a switch and a type (0.11.2 renamed them)
+    "algo.advantage.is_correction_enable": to("extra.is_correction_enable", convert=parse_bool,
+                                              why="0.11.0/0.11.1: the correction on, of is_correction_type"),
+    "algo.advantage.is_correction_type": to("extra.is_correction_type",
+                                            why="0.11.0/0.11.1: tis (token level, clip), icepop (token level, mask), "
+                                                "seq-mask-tis (sequence level, mask)"),
     # asynchronous training
     "train.async_enable": to("run.mode", convert=switch("async", "sync"), why="true: async, false: sync"),
     "train.async_queue_size": to("buffer.max_staleness", convert=int,
@@ -194,8 +201,9 @@ TABLE: dict[str, Spec] = {
     "actor.gradient_checkpointing_enable": to("learner.gradient_checkpointing", convert=parse_bool),
     "ds.deepcompile": note(SPEED),
     "ds.param_dtype": to("learner.dtype", convert=param_dtype, why="bf16: bfloat16 (fp16 refused)"),
-    "train.enable_ema": refuse("an EMA copy of the model is not kept", False),
-    "train.ema_beta": note("used with --train.enable_ema only"),
+    "train.enable_ema": to("extra.enable_ema", convert=parse_bool,
+                           why="learner.ema_beta (the checkpoints' HF model is the EMA, as OpenRLHF saves it)"),
+    "train.ema_beta": to("extra.ema_beta", convert=float, why="learner.ema_beta, with --train.enable_ema"),
     "ds.zpg": note(SPEED),
     "ds.adam_offload": note(SPEED),
     "ds.attn_implementation": note("attention is PyTorch's (sdpa/eager); the values match up to rounding"),
@@ -210,9 +218,13 @@ TABLE: dict[str, Spec] = {
     "ds.tensor_parallel_size": note("a memory layout: learner ranks are data-parallel ZeRO (ZeRO-3 partitions "
                                     "the parameters); the gradient is the same"),
     "ds.packing_samples": to("learner.packing", convert=parse_bool),
-    "train.dynamic_batch_enable": note("micro-batches are cut by count; the loss is the same"),
-    "rollout.max_tokens_per_gpu": note("used with --train.dynamic_batch_enable only"),
-    "train.max_tokens_per_gpu": note("used with --train.dynamic_batch_enable only"),
+    "train.dynamic_batch_enable": to("extra.dynamic_batch", convert=parse_bool,
+                                     why="micro-batches cut by tokens (learner.max_tokens_per_micro_batch), the "
+                                         "same gradient"),
+    "rollout.max_tokens_per_gpu": to("extra.rollout_max_tokens", convert=int,
+                                     why="learner.max_tokens_per_forward, with --train.dynamic_batch_enable"),
+    "train.max_tokens_per_gpu": to("extra.train_max_tokens", convert=int,
+                                   why="learner.max_tokens_per_micro_batch, with --train.dynamic_batch_enable"),
     "ds.load_in_4bit": refuse("4-bit (QLoRA) base weights are not supported", False),
     "ds.lora.rank": to("learner.lora_rank", convert=int),
     "ds.lora.alpha": to("learner.lora_alpha", convert=int),
@@ -225,7 +237,9 @@ TABLE: dict[str, Spec] = {
     "rollout.vllm_generate_batch_size": note("generation batching only (generator.groups_per_lease)"),
     "rollout.micro_batch_size": to("generator.groups_per_lease", convert=int),
     "train.max_epochs": to("learner.ppo_epochs", convert=int),
-    "data.max_len": to("generator.max_model_len", convert=int, why="prompt + completion"),
+    "data.max_len": to("extra.max_len", convert=int,
+                       why="generator.max_model_len, prompt + completion: generator.prompt_max_len is max_len - "
+                           "max_new_tokens (longer prompts keep their last tokens, as OpenRLHF truncates them)"),
     "rollout.max_new_tokens": to("generator.max_new_tokens", convert=int),
     "data.max_samples": to("buffer.max_samples", convert=whole),
     "actor.eps_clip": to("learner.clip_eps_low", "learner.clip_eps_high", convert=float),
@@ -239,45 +253,55 @@ TABLE: dict[str, Spec] = {
                                  why="samples per forward: learner.gradient_accumulation_steps"),
     "train.batch_size": to("extra.train_batch_size", convert=int,
                            why="samples per optimizer step: learner.num_mini_batches"),
-    "reward.normalize_enable": refuse("running reward normalisation is not supported", False),
+    "reward.normalize_enable": to("scorer.reward_normalize", convert=parse_bool,
+                                  why="the reward model's score as (raw - mean) / std, the statistics its "
+                                      "config.json holds"),
     "rollout.top_p": to("generator.top_p", convert=float),
     "rollout.temperature": to("generator.temperature", "learner.temperature", convert=float),
     "train.seed": to("learner.seed", "generator.seed", convert=int),
     "train.full_determinism_enable": note("runs are seeded (learner.seed, generator.seed)"),
-    "critic.freezing_steps": refuse("freezing the policy while the critic warms up is not supported", -1),
+    "critic.freezing_steps": to("learner.critic_warmup_steps", convert=lambda v: max(0, int(v) + 1),
+                                why="N: the policy is frozen for the first N + 1 steps (steps 0..N, as OpenRLHF "
+                                    "trains it once global_step > N); -1: 0"),
     "rollout.n_samples_per_prompt": to("buffer.n_samples_per_prompt", convert=int),
     "critic.save_value_network": note("the critic is saved with the learner's checkpoints"),
-    "algo.kl.target": refuse("an adaptive KL controller is not supported (learner.kl_coef is fixed)", None),
-    "algo.kl.horizon": note("used with --algo.kl.target only"),
+    "algo.kl.target": to("learner.kl_target", convert=lambda v: None if str(v).lower() in ("none", "null")
+                         else float(v), why="the adaptive KL controller (kl_coef its starting value)"),
+    "algo.kl.horizon": to("learner.kl_horizon", convert=whole),
     "algo.kl.init_coef": to("learner.kl_coef", convert=float),
-    "actor.policy_loss_type": to("extra.policy_loss_type",
-                                 convert=choose({"ppo": "ppo"}, "GSPO's sequence-level ratio is not supported"),
-                                 why="ppo only"),
+    "actor.policy_loss_type": to("extra.policy_loss_type", convert=choose({"ppo": "ppo", "gspo": "gspo"},
+                                                                          "ppo or gspo"),
+                                 why="learner.policy_loss (gspo: the vLLM correction is not applied, as there)"),
     "actor.loss_agg_mode": to("learner.loss_agg"),
     "algo.kl.estimator": to("learner.kl_estimator"),
-    "algo.kl.unbiased_gradient": refuse("the importance-weighted KL gradient is not supported", False),
-    "actor.aux_loss_coef": refuse("the MoE load-balancing loss is not supported", 0),
+    "algo.kl.unbiased_gradient": to("learner.kl_unbiased_gradient", convert=parse_bool),
+    "actor.aux_loss_coef": to("learner.aux_loss_coef", convert=float,
+                              why="a model without a router is refused at start"),
     "actor.entropy_coef": to("learner.entropy_coef", convert=none_as_zero),
-    "reward.clip_range": refuse("rewards are not clipped here", [-10.0, 10.0]),
-    "algo.advantage.estimator": to("learner.advantage_estimator", convert=estimator,
-                                   why="group_norm: grpo, reinforce: reinforce_pp, reinforce_baseline: "
-                                       "rloo (flash_reinforce refused)"),
+    "reward.clip_range": to("learner.reward_clip_range", convert=floats, why="LOW HIGH, after the baseline"),
+    "algo.advantage.estimator": to("learner.advantage_estimator", "extra.estimator", convert=estimator,
+                                   why="each name computes what OpenRLHF's does (reinforce: reinforce_pp)"),
     "algo.kl.use_loss": to("learner.kl_in", convert=switch("loss", "reward"), why="true: loss, false: reward"),
-    "algo.advantage.no_std_norm": refuse("advantages are always whitened by their std", False),
+    "algo.advantage.no_std_norm": to("learner.adv_std_norm", convert=lambda v: not parse_bool(v),
+                                     why="true: adv_std_norm false (the mean is subtracted, no division)"),
     "reward.overlong_buffer_len": to("scorer.overlong_buffer_len", convert=whole),
     "reward.overlong_penalty_factor": to("scorer.overlong_penalty_factor", convert=float),
-    "reward.stop_properly_penalty_coef": refuse("the truncated-sample penalty is not supported", None),
-    "ds.ring_attn_size": refuse("ring attention is not supported", 1),
+    "reward.stop_properly_penalty_coef": to("learner.stop_properly_penalty_coef", convert=lambda v: None if
+                                            str(v).lower() in ("none", "null") else float(v)),
+    "ds.ring_attn_size": refuse("ring attention is not supported: a learner rank holds whole sequences (sequence "
+                                "parallelism is not built; gloo has the all-to-all a Ulysses split needs, so it "
+                                "can be, see docs/openrlhf.md)", 1),
     "ds.ring_attn_head_stride": note("used with --ds.ring_attn_size only"),
     "actor.model_name_or_path": to("learner.model_path", "generator.model"),
     "reward.model_name_or_path": to("scorer.reward_model", "extra.reward_model", why="one reward model"),
-    "reward.remote_url": to("extra.remote_url", why="an http(s) URL: scorer.remote_url (kind remote)"),
+    "reward.remote_url": to("extra.remote_url", why="a reward file (reward_func): scorer.reward_fn; http(s) URLs, "
+                                                     "comma-separated: scorer.remote_url in OpenRLHF's protocol"),
     "critic.model_name_or_path": to("learner.critic_path"),
     "ds.value_head_prefix": note("the value head is saved under Conveyor's own name"),
     "ref.offload": note(SPEED),
     "reward.offload": note(SPEED),
-    "train.agent_func_path": to("generator.env", why="the agent file (AgentExecutor / AgentInstance) runs unchanged: "
-                                                       "every sample is a multi-turn episode against it"),
+    "train.agent_func_path": to("generator.env", why="the agent file runs unchanged: an AgentExecutor with its "
+                                                       "own execute(), or an AgentInstance played turn by turn"),
     # data and evaluation
     "data.prompt_dataset": to("buffer.prompts"),
     "data.prompt_probs": to("buffer.prompt_probs"),

@@ -60,22 +60,21 @@ def resolve(run, explicit: dict | None = None) -> None:
             raise ConfigError(f"--actor.eps_clip_low_high {low_high}: give LOW HIGH")
         l.clip_eps_low, l.clip_eps_high = low_high
     is_correction(run)
+    if "max_len" in x:  # OpenRLHF's total length: the prompt gets what the completion leaves
+        max_len(run.generator, x["max_len"], explicit)
     if "lr_warmup_ratio" in x and not is_set(explicit, "learner.warmup_steps"):
         l.warmup_steps = math.ceil(x["lr_warmup_ratio"] * l.total_steps * l.updates_per_step)
-    if "remote_url" in x:
-        urls = str(x["remote_url"]).split(",")
-        if len(urls) > 1 or not urls[0].startswith(("http://", "https://")):
-            raise ConfigError(f"--remote_rm_url {x['remote_url']}: one http(s) URL here; a reward script is "
-                              "--scorer.reward_fn FILE defining reward_fn(prompts, completions, labels)")
-        s.remote_url = urls[0]
+    remote_reward(run, explicit)
     if "," in s.reward_model:
         raise ConfigError(f"--reward_pretrain {s.reward_model}: one reward model (scorer.reward_model)")
-    given = [k for k, on in (("reward_model", "reward_model" in x), ("remote", "remote_url" in x)) if on]
+    given = [k for k, on in (("reward_model", "reward_model" in x), ("remote", "remote_url" in x and not s.reward_fn),
+                             ("reward_fn", "remote_url" in x and s.reward_fn)) if on]
     if given and not is_set(explicit, "scorer.kinds"):
         # an OpenRLHF command names its reward: the default reward function is not asked for too
         kinds = [k for k in s.kinds if k != "reward_fn" or s.reward_fn]
         s.kinds = kinds + [k for k in given if k not in kinds]
     placement(run, explicit)
+    learner_knobs(run, explicit)
     if "use_wandb" in x and not l.wandb_project:
         l.wandb_project = "openrlhf_train_ppo"
     shared = [(k.split(":", 1)[1], v) for k, v in x.items() if k.startswith("shared:")]
@@ -88,6 +87,70 @@ def resolve(run, explicit: dict | None = None) -> None:
         if not agree:
             raise ConfigError(f"--{name} {value}: the critic trains with the policy's AdamW settings here, and "
                               f"learner.{key} is {getattr(l, key)!r}; give the policy the same value")
+
+
+def remote_reward(run, explicit: dict) -> None:
+    """`--reward.remote_url` (`--remote_rm_url`): a Python file defining OpenRLHF's
+    `reward_func(queries, prompts, labels, **kwargs)` is the scorer's reward function; http(s) URLs
+    (comma-separated, sharing each batch) are its remote reward in OpenRLHF's protocol. Either way
+    the queries are decoded with the policy's tokenizer, as OpenRLHF decodes them."""
+    x, s = run.extra, run.scorer
+    if "remote_url" not in x:
+        return
+    value = str(x["remote_url"]).strip()
+    urls = [u.strip() for u in value.split(",") if u.strip()]
+    if len(urls) == 1 and urls[0].endswith(".py"):
+        if not is_set(explicit, "scorer.reward_fn"):
+            s.reward_fn = urls[0]
+    elif urls and all(u.startswith(("http://", "https://")) for u in urls):
+        s.remote_url = urls[0] if len(urls) == 1 else urls
+        if not is_set(explicit, "scorer.remote_protocol"):
+            s.remote_protocol = "openrlhf"
+    else:
+        raise ConfigError(f"--remote_rm_url {value}: a reward file (FILE.py defining reward_func) or http(s) URLs, "
+                          "comma-separated")
+    if not is_set(explicit, "scorer.tokenizer"):
+        s.tokenizer = run.learner.model_path or run.generator.model
+
+
+def learner_knobs(run, explicit: dict) -> None:
+    """The learner knobs OpenRLHF spells with two flags: EMA (`--train.enable_ema` and its beta),
+    token-budget micro-batches (`--train.dynamic_batch_enable` and the budgets), GSPO (which
+    OpenRLHF runs against the rollout policy when a vLLM correction level is set), group_norm's
+    epsilon (1e-9 there)."""
+    x, l = run.extra, run.learner
+    if x.get("enable_ema") and not is_set(explicit, "learner.ema_beta"):
+        l.ema_beta = x.get("ema_beta", 0.992)
+    if x.get("dynamic_batch"):
+        if not is_set(explicit, "learner.max_tokens_per_micro_batch"):
+            l.max_tokens_per_micro_batch = x.get("train_max_tokens", 16192)
+        if not is_set(explicit, "learner.max_tokens_per_forward"):
+            l.max_tokens_per_forward = x.get("rollout_max_tokens", 0)
+        if not is_set(explicit, "learner.gradient_accumulation_steps"):
+            l.gradient_accumulation_steps = 1  # (OpenRLHF's too: the budget decides how many micro-batches)
+    if x.get("policy_loss_type") == "gspo":
+        l.policy_loss, l.behav_correction = "gspo", "none"  # (OpenRLHF applies no vLLM correction to GSPO)
+        if x.get("is_correction_level", "off") != "off" or x.get("is_correction_enable"):
+            l.gspo_ratio = "behav"  # a correction asked for: OpenRLHF's GSPO takes the ratio to the rollout policy
+    if x.get("estimator") == "group_norm" and not is_set(explicit, "learner.adv_eps"):
+        l.adv_eps = 1e-9
+
+
+def max_len(g, total: int, explicit: dict) -> None:
+    """`--data.max_len` (prompt + completion) as generator.max_model_len and the prompt budget
+    prompt_max_len = max_len - max_new_tokens, unless the user set those keys themselves."""
+    if not is_set(explicit, "generator.max_model_len"):
+        g.max_model_len = total
+    if g.env and not is_set(explicit, "generator.max_context_tokens"):
+        g.max_context_tokens = total  # an agent's episode: every turn within max_len, as OpenRLHF's
+    if not is_set(explicit, "generator.prompt_max_len"):
+        if total - g.max_new_tokens < 1:
+            raise ConfigError(f"--data.max_len {total}: no room for a prompt beside max_new_tokens="
+                              f"{g.max_new_tokens} (OpenRLHF's max_len is prompt + completion)")
+        g.prompt_max_len = total - g.max_new_tokens
+    if g.prompt_max_len + g.max_new_tokens > g.max_model_len:
+        raise ConfigError(f"--data.max_len {total}: generator.prompt_max_len={g.prompt_max_len} + max_new_tokens="
+                          f"{g.max_new_tokens} exceeds max_model_len={g.max_model_len}")
 
 
 def placement(run, explicit: dict) -> None:
@@ -109,25 +172,47 @@ def is_correction(run) -> None:
     x, l = run.extra, run.learner
     if not any(k.startswith("is_correction_") for k in x):
         return
-    level, mode = x.get("is_correction_level", "off"), x.get("is_correction_mode", "mask")
+    level, mode = legacy_correction(x) or (x.get("is_correction_level", "off"), x.get("is_correction_mode", "mask"))
     gating, threshold = x.get("is_correction_gating", "ratio"), x.get("is_correction_threshold", [0.5, 5.0])
-    if gating != "ratio":
-        raise ConfigError(f"--algo.advantage.is_correction_gating {gating}: only the ratio pi_old / mu is gated here")
-    if level not in ("off", "token", "seq") or mode not in ("mask", "clip") or len(threshold) not in (1, 2):
+    if level not in ("off", "token", "seq") or mode not in ("mask", "clip") or len(threshold) not in (1, 2) \
+            or gating not in ("ratio", "binary_kl", "tv"):
         raise ConfigError(f"--algo.advantage.is_correction_*: level {level!r} (off|token|seq), mode {mode!r} "
-                          f"(mask|clip), threshold {threshold} (HIGH or LOW HIGH)")
+                          f"(mask|clip), gating {gating!r} (ratio|binary_kl|tv), threshold {threshold} "
+                          "(HIGH or LOW HIGH)")
     low, high = (0.0, threshold[0]) if len(threshold) == 1 else threshold
     if level == "off":
         l.behav_correction = "none"
-    elif mode == "clip":
-        if level == "seq" or low > 0:
-            raise ConfigError(f"--algo.advantage.is_correction_mode clip: a token ratio clamped from below too "
-                              f"(LOW {low} > 0) is not supported; give one HIGH threshold (truncated IS)")
-        l.behav_correction, l.behav_tis_cap = "tis", high
-    else:  # mask: out-of-band tokens weigh 0 and still count in the token mean (IcePop), or whole sequences
-        l.behav_correction = "icepop" if level == "token" else "mask"
+    elif mode == "clip":  # the token ratio clamped to [LOW, HIGH]
+        if level == "seq" or gating != "ratio":
+            raise ConfigError(f"--algo.advantage.is_correction_mode clip: needs is_correction_level token and "
+                              f"is_correction_gating ratio (got {level}, {gating}), as in OpenRLHF")
+        l.behav_correction, l.behav_tis_low, l.behav_tis_cap = "tis", low, high
+    else:  # mask: out-of-band tokens (or whole sequences) weigh 0 and still count in the token mean
+        if gating != "ratio" and low > 0:
+            raise ConfigError(f"--algo.advantage.is_correction_gating {gating}: takes an upper bound only "
+                              f"(threshold 0 DELTA or DELTA), got LOW {low}")
+        l.behav_correction, l.behav_gating = "icepop", gating
         l.behav_mask_level = "token" if level == "token" else "sequence"
         l.behav_low, l.behav_high = low, high
+
+
+LEGACY_TYPES = {"tis": ("token", "clip"), "icepop": ("token", "mask"), "seq-mask-tis": ("seq", "mask")}
+
+
+def legacy_correction(x: dict) -> tuple[str, str] | None:
+    """0.11.0/0.11.1's `is_correction_enable` + `is_correction_type` as 0.11.2's (level, mode), which
+    compute the same (their loss.py: tis clamps the token ratio to [LOW, HIGH], icepop zeroes the
+    tokens outside it, seq-mask-tis zeroes the sequences whose geometric-mean ratio is outside it);
+    None where neither old flag is given."""
+    if "is_correction_enable" not in x and "is_correction_type" not in x:
+        return None
+    if "is_correction_level" in x or "is_correction_mode" in x:
+        raise ConfigError("--algo.advantage.is_correction_enable/_type (0.11.0, 0.11.1) and "
+                          "is_correction_level/_mode (0.11.2) name the same correction: give one spelling")
+    kind = x.get("is_correction_type", "tis")
+    if kind not in LEGACY_TYPES:
+        raise ConfigError(f"--algo.advantage.is_correction_type {kind}: one of {', '.join(LEGACY_TYPES)}")
+    return LEGACY_TYPES[kind] if x.get("is_correction_enable") else ("off", "mask")
 
 
 # ---- --help ------------------------------------------------------------------------------------

@@ -3,4 +3,5 @@
 Reading order: `config.py` (sections `sft:`, `dpo:`, `rm:`), `datasets.py` (rows to tokenized
 sequences), `loop.py` (the loop the three share: data in, DeepSpeed steps, metrics, saves), then one
 trainer: `sft.py`, `dpo.py`, `rm.py`. The DeepSpeed setup is the RL learner's (`learner/engine.py`).
+`lora_combine.py` merges a trained LoRA adapter into its base (`python -m launch.lora_combiner`).
 """

@@ -12,8 +12,21 @@ from typing import ClassVar, Literal
 
 from pydantic import Field
 
-from common.config import redefault
+from common.config import Section, redefault
 from learner.config import LearnerConfig, OptimConfig
+
+
+def dataset_names(dataset: str) -> list[str]:
+    """The datasets of a comma-separated `dataset` key, in order."""
+    return [n.strip() for n in dataset.split(",") if n.strip()]
+
+
+def template_ok(template: str) -> bool:
+    """Whether `template` holds exactly one `{}` and no other unescaped braces."""
+    try:
+        return "{}" in template and template.format("") is not None
+    except (IndexError, KeyError, ValueError):
+        return False
 
 
 class OfflineConfig(OptimConfig):
@@ -32,11 +45,19 @@ class OfflineConfig(OptimConfig):
     # ---- data ---------------------------------------------------------------------------------
     dataset: str = ""
     """Training data: a `.jsonl` file (one JSON object per line), a `.parquet` file (needs pyarrow)
-    or a folder written by `datasets.save_to_disk` (needs the `datasets` package)."""
+    or a folder written by `datasets.save_to_disk` (needs the `datasets` package); several,
+    comma-separated, are mixed by `dataset_probs` (or follow one another)."""
+    dataset_probs: list[float] | None = None
+    """With several datasets: the share of each (e.g. `0.7,0.3`), mixed as OpenRLHF mixes them
+    (`datasets.interleave_datasets`, seeded by `seed`: a dataset that runs out starts again until
+    every one was used whole); None: the datasets one after the other."""
     dataset_split: str = "train"
     """For a `save_to_disk` folder holding several splits (a DatasetDict): the split to train on."""
     eval_dataset: str = ""
-    """Held-out data in the same format; empty: `eval_fraction` of `dataset` is held out."""
+    """Held-out data in the same format (several, comma-separated, follow one another); empty:
+    `eval_fraction` of `dataset` is held out."""
+    eval_split: str = ""
+    """The split of `eval_dataset` to read; empty: `dataset_split`."""
     eval_fraction: float = Field(0.0, ge=0, lt=1)
     """Fraction of `dataset` held out for evaluation when `eval_dataset` is empty (0: no evaluation)."""
     max_samples: int = Field(0, ge=0)
@@ -49,6 +70,16 @@ class OfflineConfig(OptimConfig):
     use_chat_template: bool = True
     """Render prompts and responses with the tokenizer's chat template when it has one (the response
     is then the assistant turn); without a template the texts are concatenated."""
+    chat_template: str = ""
+    """A Jinja chat template that replaces the tokenizer's own (OpenRLHF's `--data.tokenizer_chat_template`);
+    empty: the tokenizer's. Saved with the trained model's tokenizer."""
+    input_template: str = ""
+    """A template with one `{}` a string prompt is put into (e.g. `User: {}\nAssistant: `) when the
+    texts are concatenated (no chat template used), as OpenRLHF's `--data.input_template`; empty: none."""
+    packing: bool = False
+    """Pack each micro-batch into one row without padding (documents kept apart by restarting
+    position ids, so attention never crosses them); off: pad each micro-batch to its longest.
+    DPO and the reward model pack a pair's chosen and rejected sequences side by side."""
     max_len: int = Field(512, ge=2)
     """Longest sequence (prompt + response tokens). Longer ones are truncated (and counted); one
     with no response token left is dropped (and counted)."""
@@ -102,6 +133,14 @@ class OfflineConfig(OptimConfig):
         if self.batch_size % self.micro_batch_size:
             errs.append(f"{s}.batch_size={self.batch_size} must be a positive multiple of "
                         f"micro_batch_size={self.micro_batch_size}")
+        n_sets = len(dataset_names(self.dataset))
+        if self.dataset_probs is not None and (len(self.dataset_probs) != n_sets
+                                               or any(not p > 0 for p in self.dataset_probs)):
+            errs.append(f"{s}.dataset_probs={self.dataset_probs} must hold one share > 0 for each of the "
+                        f"{n_sets} dataset(s) in {s}.dataset={self.dataset!r}")
+        if self.input_template and not template_ok(self.input_template):
+            errs.append(f"{s}.input_template={self.input_template!r} must hold exactly one `{{}}` to put the "
+                        f"prompt in, and no other braces unless doubled")
         if self.eval_dataset and self.eval_fraction:
             errs.append(f"{s}.eval_dataset={self.eval_dataset!r} and {s}.eval_fraction={self.eval_fraction} "
                         f"are both set: hold out one way")
@@ -133,11 +172,15 @@ class SFTConfig(OfflineConfig):
     section: ClassVar[str] = "sft"
 
     response_key: str = "response"
-    """Column holding the response (a string) in prompt/response rows."""
-    packing: bool = False
-    """Pack each micro-batch into one row without padding (documents kept apart by restarting
-    position ids, so attention never crosses them); off: pad each micro-batch to its longest."""
-
+    """Column holding the response (a string) in prompt/response rows. A row without it whose
+    `prompt_key` column holds a conversation ending with an assistant message is a conversation."""
+    multiturn: bool = True
+    """In a conversation, train on every assistant message; false: on the last one only (the
+    turns before it are the prompt)."""
+    pretrain_mode: bool = False
+    """Continued pre-training: each row's `prompt_key` column is a plain text, encoded as a whole
+    (no chat or input template) and trained on every token (no prompt masking); eos is appended
+    when `add_eos`."""
 
 
 class DPOConfig(OfflineConfig):
@@ -188,7 +231,11 @@ class RMConfig(OfflineConfig):
     rejected_key: str = "rejected"
     """Column holding the dispreferred response."""
     margin_key: str = "margin"
-    """Optional column with a per-pair margin m >= 0: the loss becomes -log sigmoid(r_c - r_r - m)."""
+    """Optional column with a per-pair margin m >= 0: the loss becomes -log sigmoid(r_c - r_r - m);
+    empty: margins are not read."""
+    loss: Literal["sigmoid", "logexpsigmoid"] = "sigmoid"
+    """`sigmoid`: -log sigmoid(r_c - r_r - m) (Bradley-Terry, with the margin); `logexpsigmoid`:
+    log(1 + exp(r_r - r_c)) (Anthropic's HH form; the same value without the margin, which it ignores)."""
     add_eos: bool = False
     """Append eos to responses. Off by default: the scorer scores prompt + completion text as
     decoded (no eos), and the model should see at training what it is scored on."""
@@ -199,3 +246,26 @@ class RMConfig(OfflineConfig):
         if self.chosen_key == self.rejected_key:
             errs.append(f"rm.chosen_key and rm.rejected_key are both {self.chosen_key!r}")
         return errs
+
+
+class LoraCombineConfig(Section):
+    """Section `lora_combiner:`: merge a LoRA adapter folder into its base model and save the result."""
+
+    section: ClassVar[str] = "lora_combiner"
+
+    model_path: str = ""
+    """The base model folder the adapter was trained on (a causal LM; with `is_rm`, a reward model
+    or the causal LM it was trained from)."""
+    lora_path: str = ""
+    """The adapter folder in peft's format (adapter_config.json + adapter_model.safetensors)."""
+    output_path: str = ""
+    """Where the merged model is written (a Hugging Face folder, with the base's tokenizer)."""
+    is_rm: bool = False
+    """The model is a reward model: an AutoModelForSequenceClassification with one label (its
+    `score` head comes from the adapter folder when the adapter trained it)."""
+    dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16"
+    """The dtype the base is loaded in, merged and saved in (OpenRLHF's `--ds.param_dtype`: bf16)."""
+
+    def missing(self) -> list[str]:
+        return [f"lora_combiner.{k} is empty: set it (--{k} DIR)"
+                for k in ("model_path", "lora_path", "output_path") if not getattr(self, k)]

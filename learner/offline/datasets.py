@@ -14,6 +14,11 @@ are concatenated (the prompt encoded as the tokenizer encodes a whole text, with
 
 Every sequence carries `target`: 1 on the tokens trained on (the response), 0 elsewhere. A bad
 row raises `DatasetError` naming its file and line, or is skipped and counted (`on_bad_row`).
+
+Without a chat template in use, `input_template` frames a string prompt (`User: {}\nAssistant: `).
+In `pretrain_mode` (SFT) a row is one plain text and every token is a target. Several datasets,
+comma-separated, are mixed by `dataset_probs` as the buffer mixes prompt datasets
+(`buffer.prompts.mix_order`, OpenRLHF's `interleave_datasets`) or follow one another.
 """
 
 from __future__ import annotations
@@ -24,8 +29,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from buffer.prompts import mix_order
 from common.datasets import BadRow, DatasetError, chat_messages, iter_rows
 from common.wire import short
+from learner.offline.config import dataset_names
 
 
 @dataclass
@@ -57,6 +64,8 @@ class DataStats:
     """What loading one file did: rows read, used, skipped as bad, truncated, dropped as too long."""
 
     path: str = ""
+    role: str = "data"
+    """`data` (training) or `data_eval` (held out): the prefix of its metrics."""
     rows: int = 0
     used: int = 0
     bad: int = 0
@@ -85,12 +94,23 @@ def _need(row: Any, key: str) -> Any:
     return row[key]
 
 
-def sft_conversation(row: Any, cfg) -> tuple[list[dict], bool]:
-    """(messages, all_turns) of an SFT row: every assistant message is trained on."""
+def sft_conversation(row: Any, cfg, input_template: str = "") -> tuple[list[dict], bool]:
+    """(messages, all_turns) of an SFT row: a conversation (the `messages_key` column, or a `prompt_key`
+    column holding messages and no response column) trains on every assistant message when
+    cfg.multiturn, else on the last; a prompt/response row on its response. `input_template` is put
+    around a string prompt."""
+    conversation = None
     if isinstance(row, dict) and row.get(cfg.messages_key) is not None:
-        msgs = chat_messages(row[cfg.messages_key], cfg.messages_key)
+        conversation = cfg.messages_key
+    elif isinstance(row, dict) and isinstance(row.get(cfg.prompt_key), list) and row.get(cfg.response_key) is None:
+        conversation = cfg.prompt_key
+    if conversation is not None:
+        msgs = chat_messages(row[conversation], conversation)
         if not any(m["role"] == "assistant" for m in msgs):
-            raise BadRow(f"{cfg.messages_key!r} has no assistant message to train on")
+            raise BadRow(f"{conversation!r} has no assistant message to train on")
+        if not cfg.multiturn:  # the last assistant message is the response, what follows it is dropped
+            last = max(i for i, m in enumerate(msgs) if m["role"] == "assistant")
+            return msgs[: last + 1], False
         return msgs, True
     if not isinstance(row, dict) or cfg.prompt_key not in row and cfg.response_key not in row:
         keys = sorted(row) if isinstance(row, dict) else short(row)
@@ -99,14 +119,29 @@ def sft_conversation(row: Any, cfg) -> tuple[list[dict], bool]:
     response = _need(row, cfg.response_key)
     if not isinstance(response, str) or not response:
         raise BadRow(f"{cfg.response_key!r} must be a non-empty string, got {short(response)}")
+    prompt = _templated(prompt, input_template)
     msgs = chat_messages(prompt, cfg.prompt_key) if prompt != "" else []
     return msgs + [{"role": "assistant", "content": response}], False
 
 
-def pair_conversations(row: Any, cfg) -> tuple[list[dict], list[dict], float]:
-    """(chosen messages, rejected messages, margin) of a preference row; the last message of each is the response."""
+def pretrain_text(row: Any, cfg) -> str:
+    """The text of a continued pre-training row: its `prompt_key` column, a non-empty string."""
+    text = _need(row, cfg.prompt_key)
+    if not isinstance(text, str) or not text:
+        raise BadRow(f"{cfg.prompt_key!r} must be a non-empty string in pretrain_mode, got {short(text)}")
+    return text
+
+
+def _templated(prompt: Any, input_template: str) -> Any:
+    return input_template.format(prompt) if input_template and isinstance(prompt, str) else prompt
+
+
+def pair_conversations(row: Any, cfg, input_template: str = "") -> tuple[list[dict], list[dict], float]:
+    """(chosen messages, rejected messages, margin) of a preference row; the last message of each is the
+    response. `input_template` is put around a string prompt."""
     chosen, rejected = _need(row, cfg.chosen_key), _need(row, cfg.rejected_key)
-    prompt = row.get(cfg.prompt_key, "")
+    prompt = row.get(cfg.prompt_key, "") if cfg.prompt_key else ""
+    prompt = _templated(prompt, input_template) if prompt not in ("", None) else prompt
     base = chat_messages(prompt, cfg.prompt_key) if prompt not in ("", None) else []
     out = []
     for key, value in ((cfg.chosen_key, chosen), (cfg.rejected_key, rejected)):
@@ -171,6 +206,15 @@ def encode_messages(tokenizer, messages: list[dict], train_on: str, use_chat_tem
     return Encoded(ids, target)
 
 
+def encode_text(tokenizer, text: str, add_eos: bool) -> Encoded:
+    """A plain text for continued pre-training, encoded as a whole text is (with bos); every token is
+    trained on (the first one is never predicted), eos appended when `add_eos`."""
+    ids = list(tokenizer(text)["input_ids"])
+    if add_eos and tokenizer.eos_token_id is not None:
+        ids.append(tokenizer.eos_token_id)
+    return Encoded(ids, [1] * len(ids))
+
+
 def _extend(tokenizer, text: str, flag: int, ids: list[int], target: list[int], first: bool,
             plain: bool = False) -> None:
     if not text and not (plain and first):
@@ -209,15 +253,18 @@ def _handle_bad(stats: DataStats, where: str, why: str, on_bad_row: str) -> None
 
 
 def load_examples(path: str | Path, tokenizer, cfg, kind: str, keep: str = "head",
-                  limit: int = 0) -> tuple[list, DataStats]:
+                  limit: int = 0, split: str = "") -> tuple[list, DataStats]:
     """Read and tokenize a whole file. kind="sft" -> [Encoded]; kind="pairs" -> [Pair].
 
     `keep` says which end of a sequence longer than cfg.max_len survives; `limit` stops after that
-    many rows (0: all).
+    many rows (0: all); `split`: the split to read (empty: cfg.dataset_split).
     """
     stats = DataStats(path=str(path))
     out: list = []
-    for where, row in iter_rows(path, getattr(cfg, "dataset_split", "train")):
+    # the input template frames a string prompt only where no chat template renders the turns
+    templated = cfg.use_chat_template and bool(getattr(tokenizer, "chat_template", None))
+    input_template = "" if templated else getattr(cfg, "input_template", "")
+    for where, row in iter_rows(path, split or getattr(cfg, "dataset_split", "train")):
         if limit and stats.rows >= limit:
             break
         stats.rows += 1
@@ -225,9 +272,12 @@ def load_examples(path: str | Path, tokenizer, cfg, kind: str, keep: str = "head
             if isinstance(row, BadRow):
                 raise row
             if kind == "sft":
-                msgs, all_turns = sft_conversation(row, cfg)
-                enc = encode_messages(tokenizer, msgs, "all" if all_turns else "last", cfg.use_chat_template,
-                                      cfg.add_eos)
+                if getattr(cfg, "pretrain_mode", False):
+                    enc = encode_text(tokenizer, pretrain_text(row, cfg), cfg.add_eos)
+                else:
+                    msgs, all_turns = sft_conversation(row, cfg, input_template)
+                    enc = encode_messages(tokenizer, msgs, "all" if all_turns else "last", cfg.use_chat_template,
+                                          cfg.add_eos)
                 enc, cut = truncate(enc, cfg.max_len, keep)
                 stats.truncated += cut
                 if not enc.num_targets:
@@ -235,7 +285,7 @@ def load_examples(path: str | Path, tokenizer, cfg, kind: str, keep: str = "head
                     continue
                 out.append(enc)
             else:
-                chosen_msgs, rejected_msgs, margin = pair_conversations(row, cfg)
+                chosen_msgs, rejected_msgs, margin = pair_conversations(row, cfg, input_template)
                 pair_cut, ok = False, True
                 encs = []
                 for msgs in (chosen_msgs, rejected_msgs):
@@ -260,14 +310,26 @@ def load_examples(path: str | Path, tokenizer, cfg, kind: str, keep: str = "head
 
 
 def load_splits(tokenizer, cfg, kind: str, keep: str = "head") -> tuple[list, list, list[DataStats]]:
-    """(train, eval, stats): eval from cfg.eval_dataset, or cfg.eval_fraction of cfg.dataset held out
-    (a seeded shuffle, so every rank and every resumed run holds out the same examples)."""
-    train, stats = load_examples(cfg.dataset, tokenizer, cfg, kind, keep, cfg.max_samples)
-    all_stats = [stats]
+    """(train, eval, stats): train from the datasets of cfg.dataset (at most max_samples of each,
+    mixed by cfg.dataset_probs or one after the other, at most max_samples in all, as OpenRLHF's
+    `blending_datasets`); eval from cfg.eval_dataset, or cfg.eval_fraction of the training examples
+    held out (a seeded shuffle, so every rank and every resumed run holds out the same examples);
+    stats: one per file read."""
+    sources = [load_examples(name, tokenizer, cfg, kind, keep, cfg.max_samples) for name in dataset_names(cfg.dataset)]
+    all_stats = [stats for _, stats in sources]
+    if cfg.dataset_probs is None:
+        train = [x for examples, _ in sources for x in examples]
+    else:
+        train = [sources[d][0][i] for d, i in mix_order([len(e) for e, _ in sources], cfg.dataset_probs, cfg.seed)]
+    if cfg.max_samples:
+        train = train[: cfg.max_samples]
     held: list = []
     if cfg.eval_dataset:
-        held, eval_stats = load_examples(cfg.eval_dataset, tokenizer, cfg, kind, keep)
-        all_stats.append(eval_stats)
+        for name in dataset_names(cfg.eval_dataset):
+            examples, eval_stats = load_examples(name, tokenizer, cfg, kind, keep, split=cfg.eval_split)
+            held += examples
+            eval_stats.role = "data_eval"
+            all_stats.append(eval_stats)
     elif cfg.eval_fraction > 0:
         order = list(range(len(train)))
         random.Random(cfg.seed).shuffle(order)

@@ -12,7 +12,8 @@ and the implicit rewards are beta (logp_pi - logp_ref) of each response. The ref
 computed once before training (`ref_mode: precompute`, then the reference model is freed) or beside
 every micro-batch (`on_the_fly`). Chosen and rejected go through the model as one batch. With LoRA
 (`lora_rank > 0`) and no `ref_path`, `on_the_fly` needs no second model: the reference is the
-policy with its adapter switched off (the frozen base).
+policy with its adapter switched off (the frozen base). With `packing`, a micro-batch's chosen and
+rejected sequences go through as one packed row (no padding), the reference's too.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from learner.engine import load_trainable_lm
 from learner.lora import adapter_disabled
 from learner.modeling import token_logprobs
 from learner.offline.config import DPOConfig
-from learner.offline.loop import Data, Trainer, logger, pad_batch, run_trainer
+from learner.offline.loop import Data, Trainer, logger, pack_batch, packed_sums, pad_batch, run_trainer
 
 
 def dpo_loss(policy_chosen: torch.Tensor, policy_rejected: torch.Tensor, ref_chosen: torch.Tensor,
@@ -70,13 +71,19 @@ def make_trainer(cfg: DPOConfig, tok, data: Data, rank: int, world: int, device:
     dtype = getattr(torch, cfg.dtype)
 
     def response_logps(model, pairs):
-        """(chosen, rejected, chosen token counts): (b,) each; both halves in one padded batch."""
+        """(chosen, rejected, chosen token counts): (b,) each; both halves in one padded batch, or
+        packed into one row (`packing`)."""
         seqs = [p.chosen for p in pairs] + [p.rejected for p in pairs]
-        ids, attn, target = pad_batch(seqs, pad_id, device)
-        lp = token_logprobs(model, ids, attention_mask=attn)  # (2b, L-1)
-        sums = (lp * target).sum(-1)  # (2b,)
+        if cfg.packing:
+            ids, pos, target = pack_batch(seqs, device)
+            lp = token_logprobs(model, ids, position_ids=pos)  # (1, N-1)
+            sums, counts = packed_sums(lp * target, seqs), packed_sums(target.to(lp.dtype), seqs)  # (2b,)
+        else:
+            ids, attn, target = pad_batch(seqs, pad_id, device)
+            lp = token_logprobs(model, ids, attention_mask=attn)  # (2b, L-1)
+            sums, counts = (lp * target).sum(-1), target.sum(-1)  # (2b,)
         b = len(pairs)
-        return sums[:b], sums[b:], target[:b].sum(-1).clamp_min(1)
+        return sums[:b], sums[b:], counts[:b].clamp_min(1)
 
     base_is_ref = cfg.lora_rank > 0 and not cfg.ref_path and cfg.ref_mode == "on_the_fly"
     ref_model = None if base_is_ref else load_reference(cfg, dtype, device)

@@ -64,7 +64,7 @@ def run_trainer(cfg: OfflineConfig, kind: str, make_trainer: Callable[..., "Trai
         torch.set_num_threads(cfg.num_threads)
     with process_group(cfg.learner_config(1, 1)) as (rank, world, device):
         torch.manual_seed(cfg.seed)
-        tokenizer = load_tokenizer(cfg.model_path)
+        tokenizer = load_tokenizer(cfg.model_path, cfg.chat_template)
         data = load_data(cfg, tokenizer, kind, rank, keep)
         trainer = make_trainer(cfg, tokenizer, data, rank, world, device)
         return fit(cfg, trainer, data, rank, world, device, stop)
@@ -75,12 +75,16 @@ def logger(cfg: OfflineConfig) -> logging.Logger:
     return logging.getLogger(f"conveyor.{cfg.kind}")
 
 
-def load_tokenizer(path: str):
+def load_tokenizer(path: str, chat_template: str = ""):
+    """The model's tokenizer (pad = eos when it has no pad token); `chat_template` replaces its
+    own template (and is saved with it, since save_hf copies the tokenizer of model_path: see fit)."""
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(path)
     if tok.pad_token_id is None:
         tok.pad_token = tok.eos_token
+    if chat_template:
+        tok.chat_template = chat_template
     return tok
 
 
@@ -128,6 +132,19 @@ def pack_batch(seqs: Sequence[Encoded], device) -> tuple[torch.Tensor, torch.Ten
     target = torch.tensor([t for s in seqs for t in s.target], dtype=torch.bool)
     target[pos == 0] = False  # a document's first token is not predicted from the previous document
     return ids[None].to(device), pos[None].to(device), target[None, 1:].to(device)
+
+
+def packed_sums(values: torch.Tensor, seqs: Sequence[Encoded]) -> torch.Tensor:
+    """(n,) per-sequence sums of a packed row's per-position values (1, N-1) from `pack_batch`:
+    position t belongs to the sequence of token t + 1 (the token its logits predict)."""
+    lengths = torch.tensor([len(s) for s in seqs], device=values.device)
+    owner = torch.repeat_interleave(torch.arange(len(seqs), device=values.device), lengths)[1:]  # (N-1,)
+    return torch.zeros(len(seqs), dtype=values.dtype, device=values.device).index_add(0, owner, values[0])
+
+
+def packed_ends(seqs: Sequence[Encoded], device) -> torch.Tensor:
+    """(n,) index of each sequence's last token in the packed row."""
+    return torch.tensor([len(s) for s in seqs], device=device).cumsum(0) - 1
 
 
 def steps_per_epoch(cfg: OfflineConfig, n_train: int, world: int) -> int:
@@ -210,8 +227,11 @@ def fit(cfg: OfflineConfig, trainer: Trainer, data: Data, rank: int, world: int,
         summary: dict = {"kind": cfg.kind, "data": [dataclasses.asdict(s) for s in data.stats], "steps": total,
                          "save_path": save_path, "world_size": world, "zero_stage": engine.zero_optimization_stage()}
         if rank == 0:  # rows read, used, skipped as bad, truncated, dropped: once, at the starting step
-            writer.log(step, {k: float(v) for s, name in zip(data.stats, ("data", "data_eval"))
-                              for k, v in s.as_metrics(name).items()})
+            counts: dict[str, float] = defaultdict(float)
+            for s in data.stats:  # summed over the files of each role
+                for k, v in s.as_metrics(s.role).items():
+                    counts[k] += float(v)
+            writer.log(step, dict(counts))
         summary["eval_start"] = evaluate(step)
         last: dict[str, float] = {}
         saved = step
@@ -250,6 +270,8 @@ def fit(cfg: OfflineConfig, trainer: Trainer, data: Data, rank: int, world: int,
             save_checkpoint(run_dir, step, engine, None, cfg.model_path, keep=cfg.keep_checkpoints,
                             merged=cfg.lora_save_merged)
         save_hf(engine, Path(save_path), cfg.model_path)  # with LoRA: merged, and the adapter in adapter/
+        if cfg.chat_template and rank == 0:  # the tokenizer as trained with: its template replaced
+            load_tokenizer(cfg.model_path, cfg.chat_template).save_pretrained(save_path)
         if is_lora(engine):
             save_adapter(engine, Path(save_path) / "adapter")
         if rank == 0:

@@ -74,9 +74,7 @@ SAMPLE = {  # a value OpenRLHF users give where the default is None (or no value
     "--train.agent_func_path": ["agent_func.py"],
 }
 OFF_DEFAULT = {  # a value that changes what is trained, for the refused flags
-    "--algo.kl.target": ["0.1"], "--reward.clip_range": ["-1", "1"], "--reward.stop_properly_penalty_coef": ["0.5"],
     "--ds.ring_attn_size": ["2"], "--data.max_images_per_prompt": ["1"],
-    "--actor.aux_loss_coef": ["0.01"], "--critic.freezing_steps": ["5"],
 }
 
 
@@ -104,7 +102,8 @@ def test_every_0_11_2_flag_is_mapped_accepted_or_refused_by_name(files):
     assert not unknown, unknown
     refused = [n for n in names if n not in SAME_KEYS and spec(n).refused]
     accepted = len(names) - len(refused)
-    assert accepted / len(names) >= 0.9, (accepted, refused)
+    # refused: 4-bit weights (no such kernels on this stack), sequence parallelism, images (not built yet)
+    assert sorted(refused) == ["data.max_images_per_prompt", "ds.load_in_4bit", "ds.ring_attn_size"], refused
     for opt in flags:  # each accepted flag with a value OpenRLHF users give: the run config still parses
         name = opt["flag"][2:]
         argv = files["base"] + sample(opt, files)
@@ -124,20 +123,67 @@ def test_every_0_11_2_flag_is_mapped_accepted_or_refused_by_name(files):
             pytest.fail(f"{' '.join(sample(opt, files))}: {e}")
 
 
+@pytest.mark.parametrize("release", ["0.11.0", "0.11.1"])
+def test_every_flag_of_the_earlier_0_11_releases_is_known(files, release):
+    """0.11.0 and 0.11.1 have the flags of 0.11.2 but for the correction's old spelling
+    (`is_correction_enable` + `is_correction_type`, which 0.11.2 split into level, mode and gating)."""
+    from launch.openrlhf.flags import SAME_KEYS, spec
+
+    earlier = json.loads((ROOT / "tests" / "fixtures" / f"openrlhf_{release}_train_ppo_ray.json").read_text())
+    assert earlier["count"] == len(earlier["flags"]) == {"0.11.0": 164, "0.11.1": 165}[release]
+    latest = {o["flag"] for o in FIXTURE["flags"]}
+    assert {o["flag"] for o in earlier["flags"]} - latest == {"--algo.advantage.is_correction_enable",
+                                                               "--algo.advantage.is_correction_type"}
+    for opt in earlier["flags"]:
+        name = opt["flag"][2:]
+        assert spec(name) is not None or name in SAME_KEYS, name
+        if opt["flag"] not in latest:
+            local(files["base"] + sample(opt, files))  # the old spelling parses at its default
+
+
+@pytest.mark.parametrize("kind, expect", [
+    ("tis", ("clip", 0.5, 5.0)), ("icepop", ("icepop", 0.5, 5.0)), ("seq-mask-tis", ("sequence", 0.5, 5.0)),
+])
+def test_the_0_11_0_correction_flags_mean_what_0_11_2_names_the_same(files, kind, expect):
+    old = local(files["base"] + ["--algo.advantage.is_correction_enable", "--algo.advantage.is_correction_type",
+                                 kind, "--algo.advantage.is_correction_threshold", "0.5", "5"]).learner
+    level, mode = {"tis": ("token", "clip"), "icepop": ("token", "mask"), "seq-mask-tis": ("seq", "mask")}[kind]
+    new = local(files["base"] + ["--algo.advantage.is_correction_level", level, "--algo.advantage.is_correction_mode",
+                                 mode, "--algo.advantage.is_correction_threshold", "0.5", "5"]).learner
+    assert old.to_dict() == new.to_dict()
+    off = local(files["base"] + ["--algo.advantage.is_correction_type", "icepop"]).learner
+    assert off.behav_correction == "none"  # the type alone, without the switch: no correction, as in 0.11.0
+    with pytest.raises(ConfigError, match="give one spelling"):
+        local(files["base"] + ["--algo.advantage.is_correction_enable", "--algo.advantage.is_correction_level",
+                               "token"])
+
+
+def test_data_max_len_is_prompt_plus_completion(files):
+    g = local(files["base"] + ["--data.max_len", "512", "--rollout.max_new_tokens", "64"]).generator
+    assert (g.max_model_len, g.prompt_max_len, g.max_new_tokens) == (512, 448, 64)
+    g = local(files["base"] + ["--max_len", "512", "--generate_max_len", "100", "--prompt_max_len", "200"]).generator
+    assert (g.max_model_len, g.prompt_max_len) == (512, 200)  # an explicit prompt budget wins
+    with pytest.raises(ConfigError, match="--data.max_len 64: no room for a prompt"):
+        local(files["base"] + ["--data.max_len", "64", "--rollout.max_new_tokens", "64"])
+
+
 def test_refusals_name_the_flag_and_why_on_both_launchers(files):
     for argv, expect in [
         (["--ds.ring_attn_size", "2"], "--ds.ring_attn_size 2: ring attention is not supported"),
         (["--ring_attn_size", "4"], "--ring_attn_size 4: ring attention is not supported"),
-        (["--normalize_reward"], "--normalize_reward true: running reward normalisation is not supported"),
-        (["--algo.advantage.is_correction_gating", "tv", "--algo.advantage.is_correction_level", "token"],
-         "--algo.advantage.is_correction_gating tv: only the ratio"),
-        (["--remote_rm_url", "reward.py"], "--remote_rm_url reward.py: one http(s) URL here"),
+        (["--load_in_4bit"], "--load_in_4bit true: 4-bit (QLoRA) base weights are not supported"),
+        (["--algo.advantage.is_correction_gating", "tv", "--algo.advantage.is_correction_level", "token",
+          "--algo.advantage.is_correction_mode", "clip"], "is_correction_mode clip: needs is_correction_level token "
+                                                          "and is_correction_gating ratio"),
+        (["--algo.advantage.is_correction_gating", "tv", "--algo.advantage.is_correction_level", "token",
+          "--algo.advantage.is_correction_threshold", "0.1", "0.2"], "takes an upper bound only"),
+        (["--remote_rm_url", "reward.txt"], "--remote_rm_url reward.txt: a reward file (FILE.py"),
     ]:
         for load in (local, on_ray):
             with pytest.raises(ConfigError, match=re.escape(expect)):
                 load(files["base"] + argv)
-    for value_refused in (["--ds.param_dtype", "fp16"], ["--actor.optim", "muon"], ["--policy_loss_type", "gspo"],
-                          ["--advantage_estimator", "flash_reinforce"], ["--vllm_num_engines", "0"]):
+    for value_refused in (["--ds.param_dtype", "fp16"], ["--actor.optim", "muon"], ["--policy_loss_type", "cispo"],
+                          ["--advantage_estimator", "vtrace"], ["--vllm_num_engines", "0"]):
         with pytest.raises(ConfigError, match=value_refused[0]):
             local(files["base"] + value_refused)
     with pytest.raises(ConfigError, match="--actor_num_nodes 2: launch.local runs on one machine"):
@@ -184,7 +230,7 @@ def test_values_convert_with_the_same_meaning(files):
 
     for level, mode, threshold, expect in [
         ("token", "mask", ["0.5", "5"], ("icepop", "token", 0.5, 5.0)),
-        ("seq", "mask", ["0.8", "1.25"], ("mask", "sequence", 0.8, 1.25)),
+        ("seq", "mask", ["0.8", "1.25"], ("icepop", "sequence", 0.8, 1.25)),  # zeroed, still in the mean
         ("off", "mask", ["0.5", "5"], ("none",)),
     ]:
         l = local(files["base"] + ["--algo.advantage.is_correction_level", level, "--algo.advantage.is_correction_mode",
@@ -192,10 +238,14 @@ def test_values_convert_with_the_same_meaning(files):
         assert (l.behav_correction, l.behav_mask_level, l.behav_low, l.behav_high)[:len(expect)] == expect
     l = local(files["base"] + ["--algo.advantage.is_correction_level", "token", "--algo.advantage.is_correction_mode",
                                "clip", "--algo.advantage.is_correction_threshold", "3"]).learner
-    assert (l.behav_correction, l.behav_tis_cap) == ("tis", 3.0)
-    with pytest.raises(ConfigError, match="is_correction_mode clip"):
-        local(files["base"] + ["--algo.advantage.is_correction_level", "token", "--algo.advantage.is_correction_mode",
-                               "clip"])
+    assert (l.behav_correction, l.behav_tis_low, l.behav_tis_cap) == ("tis", 0.0, 3.0)
+    l = local(files["base"] + ["--algo.advantage.is_correction_level", "token", "--algo.advantage.is_correction_mode",
+                               "clip"]).learner  # OpenRLHF's default band, clamped from both sides
+    assert (l.behav_correction, l.behav_tis_low, l.behav_tis_cap) == ("tis", 0.5, 5.0)
+    l = local(files["base"] + ["--algo.advantage.is_correction_level", "seq", "--algo.advantage.is_correction_gating",
+                               "binary_kl", "--algo.advantage.is_correction_threshold", "0", "0.05"]).learner
+    assert (l.behav_correction, l.behav_gating, l.behav_mask_level, l.behav_high) == \
+        ("icepop", "binary_kl", "sequence", 0.05)
     with pytest.raises(ConfigError, match="--critic.adam.betas"):  # the critic trains with the policy's AdamW
         local(files["base"] + ["--algo.advantage.estimator", "gae", "--critic.adam.betas", "0.9", "0.99"])
 
@@ -354,3 +404,46 @@ def test_the_quick_start_trains_through_launch_local(quick_start_files, tmp_path
     assert yaml.safe_load(resolved)["buffer"]["curve"] == "on" and (run_dir / "keys").stat().st_mode & 0o777 == 0o700
     assert {p.name for p in (run_dir / "keys").glob("*.secret")} >= {"server.secret", "learner.secret",
                                                                        "scorer-0.secret", "gen-0.secret"}
+
+
+# ---- the knobs that were refused before: each sets the learner key that computes OpenRLHF's meaning ----
+
+
+def test_the_algorithm_knobs_map_onto_the_learner(files):
+    l = local(files["base"] + [
+        "--train.enable_ema", "--train.ema_beta", "0.99", "--algo.kl.target", "0.1", "--algo.kl.horizon", "5000",
+        "--algo.kl.init_coef", "0.05",
+        "--algo.kl.use_loss", "--algo.kl.unbiased_gradient", "--reward.clip_range", "-2", "2",
+        "--reward.stop_properly_penalty_coef", "0.0", "--actor.aux_loss_coef", "0.01",
+        "--train.dynamic_batch_enable", "--train.max_tokens_per_gpu", "4096", "--rollout.max_tokens_per_gpu", "8192",
+        "--algo.advantage.estimator", "reinforce_baseline", "--algo.advantage.no_std_norm"]).learner
+    assert (l.ema_beta, l.kl_target, l.kl_horizon, l.kl_in, l.kl_unbiased_gradient) == (0.99, 0.1, 5000, "loss", True)
+    assert l.reward_clip_range == [-2.0, 2.0] and l.stop_properly_penalty_coef == 0.0 and l.aux_loss_coef == 0.01
+    assert (l.max_tokens_per_micro_batch, l.max_tokens_per_forward, l.gradient_accumulation_steps) == (4096, 8192, 1)
+    assert l.advantage_estimator == "reinforce_baseline" and l.adv_std_norm is False
+    l = local(files["base"] + ["--train.enable_ema", "--advantage_estimator", "group_norm",
+                               "--advantage_estimator", "group_norm"]).learner
+    assert l.ema_beta == 0.992 and l.advantage_estimator == "group_norm" and l.adv_eps == 1e-9  # OpenRLHF's
+    l = local(files["base"] + ["--advantage_estimator", "gae", "--critic_pretrain", files["model"],
+                               "--freezing_actor_steps", "2"]).learner
+    assert l.critic_warmup_steps == 3  # OpenRLHF trains the actor once global_step > 2: steps 0, 1, 2 frozen
+    assert local(files["base"] + ["--critic.freezing_steps", "-1"]).learner.critic_warmup_steps == 0
+    l = local(files["base"] + ["--actor.policy_loss_type", "gspo"]).learner
+    assert (l.policy_loss, l.behav_correction, l.gspo_ratio) == ("gspo", "none", "prox")
+    l = local(files["base"] + ["--actor.policy_loss_type", "gspo", "--algo.advantage.is_correction_level", "token"]
+              ).learner  # OpenRLHF's GSPO then takes its ratio to the rollout policy, and skips the correction
+    assert (l.policy_loss, l.behav_correction, l.gspo_ratio) == ("gspo", "none", "behav")
+    assert local(files["base"] + ["--normalize_reward"]).scorer.reward_normalize is True
+
+
+def test_reward_files_and_servers_map_onto_the_scorer(files):
+    reward = files["dir"] / "reward_func.py"
+    reward.write_text("def reward_func(queries, prompts, labels, **kwargs):\n    return [0.0] * len(queries)\n")
+    base = ["--pretrain", files["model"], "--prompt_data", files["prompts"]]
+    s = local(base + ["--remote_rm_url", str(reward)]).scorer
+    assert s.kinds == ["reward_fn"] and s.reward_fn == str(reward) and s.tokenizer == files["model"]
+    s = local(base + ["--reward.remote_url", "http://a:1/get_reward,http://b:2/get_reward"]).scorer
+    assert s.kinds == ["remote"] and s.remote_urls == ["http://a:1/get_reward", "http://b:2/get_reward"]
+    assert s.remote_protocol == "openrlhf" and s.tokenizer == files["model"]
+    s = local(base + ["--remote_rm_url", "http://a:1/get_reward", "--scorer.remote_protocol", "conveyor"]).scorer
+    assert s.remote_url == "http://a:1/get_reward" and s.remote_protocol == "conveyor"  # Conveyor's key wins

@@ -4,11 +4,14 @@ import pytest
 import torch
 
 from learner.advantages import (
+    advantages_and_returns,
+    batch_mean_advantages,
     discounted_returns,
     gae_advantages,
     grpo_advantages,
     reinforce_pp_advantages,
     rloo_advantages,
+    stop_properly_penalty,
     token_rewards,
     whiten,
 )
@@ -107,7 +110,7 @@ def test_reinforce_plus_plus_by_hand():
     mask = torch.tensor([[True, True], [True, False]])
     tr = token_rewards(torch.tensor([1.0, 0.0], dtype=torch.float64), mask,
                        torch.full((2, 2), 0.1, dtype=torch.float64), kl_coef=1.0)
-    adv, ret = reinforce_pp_advantages(tr, mask, gamma=1.0, eps=0.0)
+    adv, ret = reinforce_pp_advantages(tr, mask, gamma=1.0)
     assert close(ret, [[0.8, 0.9], [-0.1, 0.0]])
     assert close(adv, [[0.592999, 0.815374], [-1.408374, 0.0]])
 
@@ -155,3 +158,38 @@ def test_token_level_estimators_run_on_the_policys_tokens_of_an_episode():
     assert torch.allclose(ret[mask], discounted_returns(cut, cut_mask, 0.9)[cut_mask])
     # single-turn (the mask contiguous): exactly the estimator's own result
     assert torch.equal(on_actions(gae_advantages, cut_mask, cut, cut_v)[0], gae_advantages(cut, cut_v, cut_mask)[0])
+
+
+def test_whiten_with_and_without_the_std():
+    # [1, 2, 3]: mean 2, population var 2/3 -> [-1, 0, 1] / 0.816497 = [-1.224745, 0, 1.224745]; mean only: [-1, 0, 1]
+    x = torch.tensor([[1.0, 2.0, 3.0, 9.0]], dtype=torch.float64)
+    mask = torch.tensor([[True, True, True, False]])
+    assert close(whiten(x, mask), [[-1.224745, 0.0, 1.224745, 0.0]])
+    assert close(whiten(x, mask, std_norm=False), [[-1.0, 0.0, 1.0, 0.0]])
+    # all equal: var 0 is floored at 1e-8, so the result is 0, not nan
+    assert whiten(torch.ones(1, 3), torch.ones(1, 3, dtype=torch.bool)).abs().max() == 0
+
+
+def test_flash_reinforce_subtracts_the_batch_mean():
+    # [1, 2, 3, 6]: mean 3 -> [-2, -1, 0, 3], whatever the groups
+    assert batch_mean_advantages(torch.tensor([1.0, 2.0, 3.0, 6.0])).tolist() == [-2.0, -1.0, 0.0, 3.0]
+
+
+def test_stop_properly_penalty_by_hand():
+    r, cut = torch.tensor([1.0, 0.8, -0.4]), torch.tensor([False, True, True])
+    assert stop_properly_penalty(r, cut, 0.5).tolist() == pytest.approx([1.0, 0.4, -0.2])
+    assert stop_properly_penalty(r, cut, -1.0).tolist() == [1.0, -1.0, -1.0]
+
+
+def test_kl_in_the_reward_of_a_group_estimator_is_per_token():
+    # rewards [1, 0] in one group: GRPO gives +-0.5 / sqrt(0.5) = +-0.707107; KL 0.1 per token, coef 1, on
+    # 2 tokens each: a token's advantage is that minus the KL from it to the end:
+    # row 0: [0.707107 - 0.2, 0.707107 - 0.1]; row 1: [-0.707107 - 0.2, -0.707107 - 0.1]
+    mask = torch.ones(2, 2, dtype=torch.bool)
+    kl = torch.full((2, 2), 0.1, dtype=torch.float64)
+    adv, _ = advantages_and_returns("grpo", torch.tensor([1.0, 0.0], dtype=torch.float64), torch.zeros(2), mask,
+                                    kl, kl_coef=1.0, eps=0.0)
+    assert close(adv, [[0.507107, 0.607107], [-0.907107, -0.807107]])
+    plain, _ = advantages_and_returns("grpo", torch.tensor([1.0, 0.0], dtype=torch.float64), torch.zeros(2), mask,
+                                      eps=0.0)
+    assert close(plain, [[0.707107, 0.707107], [-0.707107, -0.707107]])

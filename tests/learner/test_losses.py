@@ -5,7 +5,15 @@ import math
 import pytest
 import torch
 
-from learner.losses import aggregate, behaviour_correction, kl_penalty, policy_loss, value_loss
+from learner.losses import (
+    aggregate,
+    behaviour_correction,
+    gate_statistic,
+    gspo_loss,
+    kl_penalty,
+    policy_loss,
+    value_loss,
+)
 
 LN = math.log
 
@@ -174,3 +182,57 @@ def test_clipped_value_loss():
     loss.backward()
     # the clipped token gives no gradient; the other: d/dV 0.5 (V - 2)^2 / 2 = (1.1 - 2) / 2 = -0.45
     assert close(values.grad, [[0.0, -0.45]])
+
+
+def test_tis_with_a_floor_clamps_both_sides():
+    # w = [0.25, 1, 4] in [0.5, 2] -> [0.5, 1, 2]; 2 of 3 clamped
+    prox = t([LN(0.25), 0.0, LN(4.0)])
+    w, loss_mask, m = behaviour_correction(prox, torch.zeros(1, 3, dtype=torch.float64),
+                                           torch.ones(1, 3, dtype=torch.bool), "tis", tis_cap=2.0, tis_low=0.5)
+    assert close(w, [[0.5, 1.0, 2.0]]) and loss_mask.all()
+    assert m["capped_frac"] == pytest.approx(2 / 3)
+
+
+def test_gate_statistics_by_hand():
+    # mu = 0.5, pi_old = 0.25: ratio 0.5; binary KL 0.5 ln(0.5 / 0.25) + 0.5 ln(0.5 / 0.75) = 0.346574 - 0.202733
+    # = 0.143841; tv |0.5 - 0.25| = 0.25. Second token mu = pi_old: 1, 0, 0. Per sequence: geometric mean of the
+    # ratio sqrt(0.5) = 0.707107, the divergences' means 0.071921 and 0.125
+    prox, behav = t([LN(0.25), LN(0.3)]), t([LN(0.5), LN(0.3)])
+    mask = torch.ones(1, 2, dtype=torch.bool)
+    assert close(gate_statistic(prox, behav, mask, "ratio"), [[0.5, 1.0]])
+    assert close(gate_statistic(prox, behav, mask, "binary_kl"), [[0.143841, 0.0]])
+    assert close(gate_statistic(prox, behav, mask, "tv"), [[0.25, 0.0]])
+    assert close(gate_statistic(prox, behav, mask, "ratio", "sequence"), [[0.707107]])
+    assert close(gate_statistic(prox, behav, mask, "binary_kl", "sequence"), [[0.071921]])
+    assert close(gate_statistic(prox, behav, mask, "tv", "sequence"), [[0.125]])
+
+
+def test_icepop_by_sequence_zeroes_whole_sequences_that_still_count():
+    # row 0: w = [2, 2] (geometric mean 2, outside [0.5, 1.5]) -> zeroed; row 1: w = [0.8, 1.25] (mean 1) -> kept
+    prox = t([LN(2.0), LN(2.0)], [LN(0.8), LN(1.25)])
+    w, loss_mask, m = behaviour_correction(prox, torch.zeros(2, 2, dtype=torch.float64), torch.ones(2, 2, dtype=bool),
+                                           "icepop", low=0.5, high=1.5, level="sequence")
+    assert close(w, [[0.0, 0.0], [0.8, 1.25]]) and loss_mask.all()
+    assert m["masked_frac"] == 0.5
+
+
+def test_kl_estimates_are_clipped_to_ten():
+    # log pi - log ref = 15: k1 = 15 -> 10; k2 = 112.5 -> 10; k3 = e^-15 - 1 + 15 = 14.0 -> 10
+    logp, ref = t([0.0]), t([-15.0])
+    for k in ("k1", "k2", "k3"):
+        assert kl_penalty(logp, ref, k).item() == 10.0
+
+
+def test_gspo_by_hand():
+    # one sequence, token log-ratios [ln 2, 0]: s = exp(ln 2 / 2) = 1.414214 on both tokens.
+    # A = 1: clipped to 1.2 -> L = -1.2, no gradient. A = -1: L = s = 1.414214, and each token's log-prob
+    # moves s by s / 2, the loss being the mean of the two tokens' s: dL/dlogpi_t = 0.707107
+    prox = t([-1.0, -1.0])
+    mask = torch.ones(1, 2, dtype=torch.bool)
+    for a, loss_expected, grad_expected in [(1.0, -1.2, 0.0), (-1.0, 1.414214, 0.707107)]:
+        logp = (prox + t([LN(2.0), 0.0])).requires_grad_()
+        loss, m = gspo_loss(logp, prox, t([a, a]), mask)
+        loss.backward()
+        assert loss.item() == pytest.approx(loss_expected, abs=1e-6)
+        assert close(logp.grad, [[grad_expected, grad_expected]])
+        assert m["ratio_mean"] == pytest.approx(1.414214, abs=1e-6)

@@ -259,7 +259,7 @@ def test_openrlhf_flags_map_to_sections(tmp_path):
     assert run.buffer.n_samples_per_prompt == 4 and run.buffer.prompts_per_step == 8  # 32 samples / 4
     assert run.learner.gradient_accumulation_steps == 4  # 32 samples per rank / micro 8
     assert run.generator.max_new_tokens == 7 and run.learner.lr == 3e-6 and run.learner.kl_coef == 0.01
-    assert run.run.num_generators == 3 and run.learner.advantage_estimator == "grpo"
+    assert run.run.num_generators == 3 and run.learner.advantage_estimator == "group_norm"  # grpo, eps 1e-9
     assert run.learner.ppo_epochs == 2 and run.run.run_dir == str(tmp_path / "out")
     assert "reference" in run.scorer.kinds  # a KL coefficient needs reference log-probs
     # every role dials the same buffer and weight-sync addresses
