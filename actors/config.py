@@ -204,6 +204,9 @@ class ScorerConfig(BufferAddress):
     """Weight of the remote reward in `reward`."""
     remote_timeout_s: float = Field(30.0, gt=0)
     """One HTTP request waits this long."""
+    remote_token: str = ""
+    """A bearer token sent with each request (a `launch.serve_rm` started with one); empty: the
+    environment's CONVEYOR_RM_TOKEN, if set."""
     remote_retries: int = Field(3, ge=1)
     """Attempts per batch before its samples are marked failed."""
     remote_backoff_s: float = Field(0.5, ge=0)

@@ -202,19 +202,22 @@ class RemoteReward:
     """Rewards from HTTP servers (see the module docstring): `urls` share each message, shard i going
     to URL (start + i) mod len(urls), start moving on by one per message (so one-sample messages
     spread over the URLs too). `protocol`: `conveyor` or `openrlhf` (the request's fields; either
-    answer is read by `read_reply`). `tokenizer`: the policy's, for OpenRLHF's `query` text."""
+    answer is read by `read_reply`). `tokenizer`: the policy's, for OpenRLHF's `query` text; `token`:
+    sent as `Authorization: Bearer` when set."""
 
     name = "remote"
 
     def __init__(self, urls: Sequence[str], protocol: str = "conveyor", timeout_s: float = 30.0, retries: int = 3,
-                 backoff_s: float = 0.5, tokenizer=None):
+                 backoff_s: float = 0.5, tokenizer=None, token: str = ""):
         import httpx
 
         if not urls:
             raise ValueError("scorer.remote_url: no URL given")
         self.urls, self.protocol, self.tokenizer = list(urls), protocol, tokenizer
         self.timeout_s, self.retries, self.backoff_s = timeout_s, retries, backoff_s
-        self.client = httpx.Client(timeout=timeout_s)  # pooled connections; shared by the shard threads
+        # pooled connections, shared by the shard threads; a bearer token for a server that asks one
+        # (launch.serve_rm with a token)
+        self.client = httpx.Client(timeout=timeout_s, headers={"Authorization": f"Bearer {token}"} if token else None)
         self.pool = ThreadPoolExecutor(len(self.urls), thread_name_prefix="remote-reward")
         self.calls = 0
 

@@ -90,7 +90,8 @@ class Scorer:
                                    cfg.reward_model_weight))
             elif kind == "remote":
                 self.remote = RemoteReward(cfg.remote_urls, cfg.remote_protocol, cfg.remote_timeout_s,
-                                           cfg.remote_retries, cfg.remote_backoff_s, tokenizer)
+                                           cfg.remote_retries, cfg.remote_backoff_s, tokenizer,
+                                           cfg.remote_token or os.environ.get("CONVEYOR_RM_TOKEN", ""))
                 self.parts.append((self.remote, cfg.remote_weight))
             elif kind == "reference":
                 self.reference = Reference(cfg.reference, cfg.dtype, cfg.device, cfg.batch_size)

@@ -19,6 +19,7 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from actors.reward_server import RequestError, RewardServerConfig, parse_request
@@ -253,6 +254,27 @@ def test_a_token_is_required_when_set(servers, direct):
     status, answer = post(url, body, token=TOKEN)
     assert status == 200 and answer["rewards"] == pytest.approx(direct(QUERIES[:2], special=False), abs=1e-5)
     assert stats(servers["guarded"], TOKEN)["refused"] == {"401": 2}
+
+
+def test_the_scorers_remote_reward_sends_the_token_and_its_reward_model_normalises_alike(servers, rm_dirs):
+    from actors.rewards import RemoteReward, RewardModel
+    from buffer.messages import Rollout
+
+    rollouts = [Rollout(group_id=0, sample_index=i, lease_id=0, prompt_ids=np.array([1], np.int32),
+                        completion_ids=np.array([2], np.int32), behav_logprobs=np.zeros(1, np.float32),
+                        versions=np.zeros(1, np.int32), prompt=p, completion=c) for i, (p, c) in
+                enumerate([("12+34=", "46"), ("hello", " world")])]
+    remote = RemoteReward([servers["guarded"] + "/reward"], token=TOKEN)
+    try:
+        got = remote.score(rollouts)
+    finally:
+        remote.close()
+    local = RewardModel(rm_dirs["plain"]).score(rollouts)
+    assert [g.value for g in got] == pytest.approx([x.value for x in local], abs=1e-5)
+    normed = RewardModel(rm_dirs["normed"], normalize=True).score(rollouts)  # scorer.reward_normalize
+    assert [x.value for x in normed] == pytest.approx([(x.value - MEAN) / STD for x in local], abs=1e-5)
+    with pytest.raises(ConfigError, match="scorer.reward_normalize=true but .* has no `mean` and `std`"):
+        RewardModel(rm_dirs["plain"], normalize=True)
 
 
 def test_bad_requests_get_4xx_and_the_server_keeps_serving(servers):

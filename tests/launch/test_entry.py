@@ -13,10 +13,10 @@ import pytest
 from tests.helpers.procs import ROOT, subprocess_env
 
 ENTRY_POINTS = ["buffer", "weight_sync", "generator", "scorer", "learner", "sft", "dpo", "rm", "local", "demo", "ray",
-                "train_ppo_ray", "keys", "ledger"]
+                "train_ppo_ray", "keys", "ledger", "serve_rm", "lora_combiner"]
 HEAVY = ("torch", "vllm", "deepspeed", "ray", "transformers")
 ROLES = ["buffer.service", "weight_sync.service", "actors.generator", "actors.scorer", "learner.trainer",
-         "learner.offline.sft", "learner.offline.dpo", "learner.offline.rm"]
+         "learner.offline.sft", "learner.offline.dpo", "learner.offline.rm", "actors.reward_server"]
 
 
 @pytest.mark.parametrize("name", ENTRY_POINTS)
