@@ -44,6 +44,7 @@ def quick_start_files(tiny_model_dir, tmp_path_factory):
     cfg = AutoConfig.from_pretrained(tiny_model_dir)
     cfg.num_labels = 1
     torch.manual_seed(1)
+    cfg.mean, cfg.std = 0.1, 2.0  # as OpenRLHF's reward model training stores them (--normalize_reward)
     AutoModelForSequenceClassification.from_config(cfg).save_pretrained(out / "rm")
     AutoTokenizer.from_pretrained(tiny_model_dir).save_pretrained(out / "rm")
     rows = make_problems(16, seed=3)

@@ -154,12 +154,15 @@ def stats(url: str, token: str | None = None) -> dict:
 
 @pytest.fixture(scope="module")
 def rm_dirs(quick_start_files, tmp_path_factory):
-    """The tiny reward model as it is, and a copy whose config.json holds OpenRLHF's mean/std."""
-    normed = tmp_path_factory.mktemp("serve_rm") / "rm_normed"
+    """The tiny reward model without a stored mean/std, and a copy whose config.json holds OpenRLHF's."""
+    root = tmp_path_factory.mktemp("serve_rm")
+    normed, plain = root / "rm_normed", root / "rm_plain"
     shutil.copytree(quick_start_files["rm"], normed)
-    config = json.loads((normed / "config.json").read_text())
+    shutil.copytree(quick_start_files["rm"], plain)
+    config = {k: v for k, v in json.loads((normed / "config.json").read_text()).items() if k not in ("mean", "std")}
     (normed / "config.json").write_text(json.dumps({**config, "mean": MEAN, "std": STD}))
-    return {"plain": quick_start_files["rm"], "normed": str(normed)}
+    (plain / "config.json").write_text(json.dumps(config))
+    return {"plain": str(plain), "normed": str(normed)}
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,71 @@
+"""Whole OpenRLHF command lines as its users write them, with the tiny model and local data put in,
+run to completion through `launch.local` (real generator, scorer, buffer, learner, weight sync).
+
+The RLVR recipe: REINFORCE with the group-mean baseline, a reward file in OpenRLHF's form that
+imports `openrlhf.utils` (not installed here) and returns rewards, scores and extra logs, the KL as
+a loss, asynchronous training, 0.11.0's spelling of the vLLM correction,
+reward clipping, the stop-properly penalty, EMA and token-budget micro-batches: every flag is
+OpenRLHF 0.11.x's. (An untrained tiny policy earns 0 on every
+prompt, so dynamic filtering would drop every group: the file's scores driving it are
+tests/actors/test_openrlhf_rewards.py's run. The PPO quick start with a reward model is tests/launch/test_openrlhf_cli.py's;
+the offline commands' are tests/launch/test_openrlhf_offline.py's.)
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+
+import pytest
+
+from tests.helpers.procs import ROOT, subprocess_env
+
+REWARD_FILE = '''
+import torch
+from openrlhf.utils import grade_answer
+
+
+def reward_func(queries, prompts, labels, **kwargs):
+    answers = [q[len(p):].strip() for q, p in zip(queries, prompts)]
+    rewards = torch.tensor([1.0 if grade_answer(a, l) else 0.0 for a, l in zip(answers, labels)])
+    return {"rewards": rewards, "scores": rewards,
+            "extra_logs": {"answer_len": torch.tensor([float(len(a)) for a in answers])}}
+'''
+
+
+@pytest.mark.slow
+def test_an_rlvr_command_line_of_openrlhf_runs_to_completion(quick_start_files, tmp_path):
+    reward = tmp_path / "reward_func.py"
+    reward.write_text(REWARD_FILE)
+    save = tmp_path / "checkpoint"
+    argv = [
+        "--ref.num_nodes", "1", "--ref.num_gpus_per_node", "1", "--actor.num_nodes", "1",
+        "--actor.num_gpus_per_node", "1", "--vllm.num_engines", "1", "--vllm.tensor_parallel_size", "1",
+        "--actor.model_name_or_path", quick_start_files["model"], "--reward.remote_url", str(reward),
+        "--data.prompt_dataset", quick_start_files["prompts"], "--data.input_key", "input",
+        "--data.label_key", "label", "--ckpt.output_dir", str(save), "--ckpt.save_steps", "-1",
+        "--rollout.batch_size", "4", "--rollout.n_samples_per_prompt", "4", "--train.batch_size", "16",
+        "--train.micro_batch_size", "4", "--rollout.micro_batch_size", "4", "--data.max_len", "48",
+        "--rollout.max_new_tokens", "8", "--train.num_episodes", "1", "--actor.adam.lr", "1e-5",
+        "--algo.advantage.estimator", "reinforce_baseline", "--algo.kl.use_loss", "--algo.kl.estimator", "k2",
+        "--algo.kl.init_coef", "0.001", "--train.async_enable", "--algo.advantage.is_correction_enable",
+        "--algo.advantage.is_correction_type", "icepop", "--reward.clip_range", "-5", "5",
+        "--reward.stop_properly_penalty_coef", "0.5", "--train.enable_ema", "--train.dynamic_batch_enable",
+        "--train.max_tokens_per_gpu", "256", "--logger.tensorboard_dir", str(tmp_path / "tb"),
+        "--learner.total_steps", "3",
+    ]
+    res = subprocess.run([sys.executable, "-m", "launch.local", *argv], cwd=ROOT, env=subprocess_env(),
+                         capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    rows = [json.loads(x) for x in (save / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [0, 1, 2]
+    for r in rows:
+        assert 0.0 <= r["reward/mean"] <= 1.0 and math.isfinite(r["loss/kl"])
+        assert "reward/extra/answer_len" in r and r["perf/micro_batches"] >= 1
+    resolved = (save / "config.yaml").read_text()
+    for key in ("advantage_estimator: reinforce_baseline", "behav_correction: icepop", "ema_beta: 0.992",
+                "max_tokens_per_micro_batch: 256", "stop_properly_penalty_coef: 0.5", "prompt_max_len: 40"):
+        assert key in resolved, key
+    assert (save / "checkpoints" / "step_3" / "config.json").is_file()  # the final one, the EMA's weights
