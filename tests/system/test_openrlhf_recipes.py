@@ -5,10 +5,10 @@ The RLVR recipe: REINFORCE with the group-mean baseline, a reward file in OpenRL
 imports `openrlhf.utils` (not installed here) and returns rewards, scores and extra logs, the KL as
 a loss, asynchronous training, 0.11.0's spelling of the vLLM correction,
 reward clipping, the stop-properly penalty, EMA and token-budget micro-batches: every flag is
-OpenRLHF 0.11.x's. (An untrained tiny policy earns 0 on every
-prompt, so dynamic filtering would drop every group: the file's scores driving it are
-tests/actors/test_openrlhf_rewards.py's run. The PPO quick start with a reward model is tests/launch/test_openrlhf_cli.py's;
-the offline commands' are tests/launch/test_openrlhf_offline.py's.)
+OpenRLHF 0.11.x's. An untrained tiny policy earns 0 on every prompt, so dynamic filtering would
+drop every group: the reward file's scores driving it are tests/actors/test_openrlhf_rewards.py's
+run. The PPO quick start with a reward model is tests/launch/test_openrlhf_cli.py's; the offline
+commands' are tests/launch/test_openrlhf_offline.py's.
 """
 
 from __future__ import annotations
