@@ -66,7 +66,7 @@ from buffer.prompts import prompts_from_config
 from buffer.rules import filter_score
 from buffer.state import BufferState
 from buffer.store import StateStore
-from common.channel import recv_frames, send_frames
+from common.channel import recv_frames, send_frames, send_reply
 from common.guards import MemoryGuard, WarnLimiter, raise_open_files_limit, rss_bytes
 from common.ready import mark_ready
 from common.zap import Guard, server_guard
@@ -168,6 +168,8 @@ class BufferService:
         s.setsockopt(zmq.MAXMSGSIZE, self.limits.max_frame_bytes)
         s.setsockopt(zmq.RCVHWM, RCVHWM[name])
         s.setsockopt(zmq.SNDHWM, SNDHWM[name])
+        if kind == zmq.ROUTER:
+            s.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a full queue is said, not silent (send_reply)
         if kind == zmq.PUSH:
             s.setsockopt(zmq.IMMEDIATE, 1)  # queue only to peers whose connection is complete
         if self.guard is not None:
@@ -177,12 +179,11 @@ class BufferService:
                 s.bind(self.endpoints[name])
                 return s
             except zmq.ZMQError as e:
-                if attempt + 1 < tries:
-                    time.sleep(0.05)
-                    continue
-                s.close()
-                self.close_sockets()
-                raise OSError(f"buffer cannot bind {name} socket to {self.endpoints[name]}: {e}") from None
+                if attempt + 1 == tries:
+                    s.close()
+                    self.close_sockets()
+                    raise OSError(f"buffer cannot bind {name} socket to {self.endpoints[name]}: {e}") from None
+                time.sleep(0.05)
 
     def _reset_sockets(self) -> None:
         """Drop every connection (see `MemoryGuard`): close the sockets and bind them again."""
@@ -306,8 +307,8 @@ class BufferService:
                 self.state.counters["internal_errors"] += 1
                 self.warnings.warn("internal", "internal error while serving a request", exc_info=True)
                 reply = encode(Error(f"internal error in the buffer: {type(e).__name__}: {str(e)[:200]}"))
-        # a ROUTER never blocks: a reply to a peer past its SNDHWM (it does not read) is dropped
-        send_frames(self.control, [identity, b"", *reply], zmq.NOBLOCK)
+        if not send_reply(self.control, [identity, b"", *reply]):  # a peer gone, or one that does not read
+            self.state.counters["replies_dropped"] += 1
 
     def handle_request(self, body: Sequence, who: str | None = None) -> list:
         """The reply frames to one request (the frames after the delimiter) from the key named `who`

@@ -46,6 +46,25 @@ def send_frames(sock: zmq.Socket, frames: Sequence, flags: int = 0) -> None:
     send(frames[-1], flags, False)
 
 
+def send_reply(sock: zmq.Socket, frames: Sequence) -> bool:
+    """A ROUTER's reply (the socket has ROUTER_MANDATORY set): True once queued, False where its peer
+    is gone or does not read (its queue stays full). The socket hears how much a peer has read only
+    in batches of half its high-water mark, and processes that news lazily under load: a reply
+    refused for a full queue is tried once more after the socket's pending commands are processed
+    (reading ZMQ_EVENTS does that), so that a peer reading each reply never loses one."""
+    for attempt in (0, 1):
+        try:
+            send_frames(sock, frames, zmq.NOBLOCK)
+            return True
+        except zmq.Again:
+            if attempt:
+                return False
+            sock.getsockopt(zmq.EVENTS)
+        except zmq.ZMQError:  # EHOSTUNREACH: the peer has disconnected
+            return False
+    return False
+
+
 class Channel:
     """`request(frames) -> reply frames` to one service endpoint; the socket opens on first use."""
 

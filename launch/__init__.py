@@ -5,7 +5,8 @@ Reading order: an entry point (`python -m launch.buffer`, `launch.weight_sync`, 
 few lines around `entry.py`; `run_config.py` (one YAML file for the whole run); the local launcher
 (`local.py`, with `roles.py`, `supervisor.py`, `process.py`, `recovery.py`); the device plan
 (`devices`); the Ray launcher (`ray.py`, with `cluster/`); OpenRLHF's command line
-(`train_ppo_ray.py`, with `openrlhf/`); the tools `keys.py`, `ledger.py`, `ports.py`, and `demo.py`.
+(`train_ppo_ray.py`, with `openrlhf/`); `serve_rm.py` (a reward model over HTTP) and `lora_combiner.py` (an
+adapter merged into its base); the tools `keys.py`, `ledger.py`, `ports.py`, and `demo.py`.
 
 Imports everything; nothing of the project imports it.
 """

@@ -31,7 +31,7 @@ OPENRLHF_DEFAULTS = [
     "--train.micro_batch_size=1", "--actor.adam.betas=0.9,0.95", "--critic.adam.lr=9e-6",
     "--critic.value_clip=0.5", "--actor.lr_scheduler=cosine_with_min_lr", "--actor.min_lr_ratio=0.1",
     "--actor.lr_warmup_ratio=0.03", "--ds.param_dtype=bf16", "--data.input_key=input",
-    "--data.apply_chat_template=false",
+    "--data.apply_chat_template=false", "--reward.clip_range=-10,10",
 ]
 """OpenRLHF 0.11.2's defaults that differ in meaning from Conveyor's, as flags put before the user's."""
 

@@ -5,7 +5,10 @@ Reading order: `trainer.py` (one rank's loop, `run` -> `train`, read top to bott
 losses of `losses.py`, a DeepSpeed step set up by `engine.py`, a weight publish through
 `weight_sync`, a checkpoint by `checkpoint.py`, the ledger's row by `ledger.py`, metrics by
 `metrics.py`); `config.py` (section `learner:`); `lora.py` (adapters); `modeling.py` (loading and
-token log-probs, light: no DeepSpeed import, so scorers and generators use it too). Then
+token log-probs, light: no DeepSpeed import, so scorers and generators use it too). The knobs the
+loop uses: `token_budget.py` (micro-batches cut by a token budget), `kl_control.py` (the KL
+coefficient of each step, fixed or adaptive), `ema.py` (an exponential moving average of the
+policy), `moe.py` (a mixture-of-experts policy's router load-balancing loss). Then
 `offline/`: the SFT, DPO and reward-model trainers, which share `engine.py` and `metrics.py`.
 
 Imports `buffer`, `weight_sync` and `common`.

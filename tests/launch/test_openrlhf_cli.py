@@ -358,7 +358,7 @@ def test_drop_in_takes_openrlhf_defaults_and_the_users_flags_win(files):
     assert run.buffer.n_samples_per_prompt == 1 and run.buffer.input_key == "prompt"  # the user's flag wins
     assert (run.buffer.prompts_per_step, l.num_mini_batches, l.gradient_accumulation_steps) == (16, 2, 2)
     assert l.dtype == "bfloat16" and l.adam_betas == [0.9, 0.95] and l.lr_schedule == "cosine"
-    assert run.generator.use_chat_template is False and l.critic_lr == 9e-6
+    assert run.generator.use_chat_template is False and l.critic_lr == 9e-6 and l.reward_clip_range == [-10, 10]
 
 
 # ---- --help -------------------------------------------------------------------------------------
