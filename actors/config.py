@@ -71,6 +71,11 @@ class GeneratorConfig(WeightSyncAddress, BufferAddress):
     """Keep the k most likely tokens (0 = off)."""
     max_new_tokens: int = Field(128, ge=1)
     """Longest completion; one that reaches it ends with finish_reason `length`."""
+    max_len: int = Field(0, ge=0)
+    """Prompt + completion per sample at most (OpenRLHF's `--data.max_len` without
+    `--rollout.max_new_tokens`): a completion ends (`length`) at max_len - its prompt's tokens, or at
+    max_new_tokens if sooner; 0: at max_new_tokens. Single-turn samples (an episode has
+    max_context_tokens)."""
     stop_token_ids: list[int] = Field(default_factory=list)
     """Token ids that end a completion besides the tokenizer's eos (kept in the completion)."""
 
@@ -135,7 +140,10 @@ class GeneratorConfig(WeightSyncAddress, BufferAddress):
 
     def problems(self) -> list[str]:
         errs = []
-        if self.max_model_len and self.prompt_max_len + self.max_new_tokens > self.max_model_len:
+        if self.max_len and self.prompt_max_len >= self.max_len:
+            errs.append(f"generator.prompt_max_len={self.prompt_max_len} leaves no completion within "
+                        f"max_len={self.max_len}")
+        if self.max_model_len and (self.max_len or self.prompt_max_len + self.max_new_tokens) > self.max_model_len:
             errs.append(f"generator.prompt_max_len={self.prompt_max_len} + max_new_tokens={self.max_new_tokens} "
                         f"exceeds max_model_len={self.max_model_len}")
         if self.buffer_patience_s < self.request_timeout_s:

@@ -198,16 +198,20 @@ def make_rollouts(grant: LeaseGrant, cfg: GeneratorConfig, engine: Engine, sampl
     # The version of every token, unless the weights change mid-batch (then the engine says per token).
     version = engine.version
     t0 = time.monotonic()
+    budgets = [min(cfg.max_new_tokens, cfg.max_len - len(ids)) if cfg.max_len else sampling.max_tokens
+               for ids in prompt_ids]
     try:
-        completions = generate_batch(engine, prompt_ids, grant.n_samples, sampling, sync)
+        completions = generate_batch(engine, prompt_ids, grant.n_samples, replace(sampling, max_tokens=max(budgets)),
+                                     sync)
     except ValueError as e:
         # The engine refused the inputs (e.g. a prompt past vLLM's max_model_len): retrying will not
         # help, so the groups are reported failed instead of expiring and coming back forever.
         return _give_up(grant, groups, client, counts, f"engine refused the prompt: {e}")
     counts.generate_s += time.monotonic() - t0
     rollouts = []
-    for g, ids, comps in zip(groups, prompt_ids, completions):
+    for g, ids, comps, budget in zip(groups, prompt_ids, completions, budgets):
         for j, c in enumerate(comps):
+            c = cut(c, budget, engine.tokenizer)
             t = len(c.token_ids)
             rollouts.append(Rollout(
                 group_id=g.group_id, sample_index=j, lease_id=grant.lease_id,
@@ -223,6 +227,16 @@ def make_rollouts(grant: LeaseGrant, cfg: GeneratorConfig, engine: Engine, sampl
         counts.samples += len(comps)
         counts.groups += 1
     return rollouts
+
+
+def cut(c: Completion, budget: int, tokenizer) -> Completion:
+    """A completion sampled with a larger max_tokens, ended where its own budget ends (generator.max_len):
+    sampling stops at the budget the same way (each token depends on those before it only)."""
+    if len(c.token_ids) <= budget:
+        return c
+    return Completion(c.token_ids[:budget], c.logprobs[:budget], "length",
+                      tokenizer.decode(c.token_ids[:budget], skip_special_tokens=True),
+                      None if c.versions is None else c.versions[:budget])
 
 
 def _give_up(grant: LeaseGrant, groups, client: BufferClient, counts: Counters, why: str) -> list[Rollout]:

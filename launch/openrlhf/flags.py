@@ -265,8 +265,9 @@ TABLE: dict[str, Spec] = {
                                     "trains it once global_step > N); -1: 0"),
     "rollout.n_samples_per_prompt": to("buffer.n_samples_per_prompt", convert=int),
     "critic.save_value_network": note("the critic is saved with the learner's checkpoints"),
-    "algo.kl.target": to("learner.kl_target", convert=lambda v: None if str(v).lower() in ("none", "null")
-                         else float(v), why="the adaptive KL controller (kl_coef its starting value)"),
+    "algo.kl.target": to("learner.kl_target", convert=lambda v: None if str(v).lower() in ("none", "null") or
+                         not float(v) else float(v),
+                         why="the adaptive KL controller (kl_coef its starting value); 0 or None: a fixed kl_coef"),
     "algo.kl.horizon": to("learner.kl_horizon", convert=whole),
     "algo.kl.init_coef": to("learner.kl_coef", convert=float),
     "actor.policy_loss_type": to("extra.policy_loss_type", convert=choose({"ppo": "ppo", "gspo": "gspo"},

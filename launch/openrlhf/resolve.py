@@ -138,17 +138,24 @@ def learner_knobs(run, explicit: dict) -> None:
 
 def max_len(g, total: int, explicit: dict) -> None:
     """`--data.max_len` (prompt + completion) as generator.max_model_len and the prompt budget
-    prompt_max_len = max_len - max_new_tokens, unless the user set those keys themselves."""
+    prompt_max_len = max_len - max_new_tokens, unless the user set those keys themselves. Without
+    `--rollout.max_new_tokens` each sample's completion gets what its prompt leaves (generator.max_len),
+    as OpenRLHF's: max_new_tokens is then only the cap, max_len - 1."""
     if not is_set(explicit, "generator.max_model_len"):
         g.max_model_len = total
+    if not is_set(explicit, "generator.max_new_tokens"):
+        g.max_len, g.max_new_tokens = total, max(1, total - 1)
     if g.env and not is_set(explicit, "generator.max_context_tokens"):
         g.max_context_tokens = total  # an agent's episode: every turn within max_len, as OpenRLHF's
     if not is_set(explicit, "generator.prompt_max_len"):
-        if total - g.max_new_tokens < 1:
+        if g.max_len:  # a prompt may take all but one token: its completion gets the rest
+            g.prompt_max_len = total - 1
+        elif total - g.max_new_tokens < 1:
             raise ConfigError(f"--data.max_len {total}: no room for a prompt beside max_new_tokens="
                               f"{g.max_new_tokens} (OpenRLHF's max_len is prompt + completion)")
-        g.prompt_max_len = total - g.max_new_tokens
-    if g.prompt_max_len + g.max_new_tokens > g.max_model_len:
+        else:
+            g.prompt_max_len = total - g.max_new_tokens
+    if (g.max_len or g.prompt_max_len + g.max_new_tokens) > g.max_model_len:
         raise ConfigError(f"--data.max_len {total}: generator.prompt_max_len={g.prompt_max_len} + max_new_tokens="
                           f"{g.max_new_tokens} exceeds max_model_len={g.max_model_len}")
 

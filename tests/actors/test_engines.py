@@ -164,6 +164,21 @@ def test_greedy_is_identical_across_backends(vllm_engine, hf):
     assert gap < TOL, f"greedy log-probs (log_softmax of raw logits): largest gap {gap:.3g}"
 
 
+def test_a_completion_cut_at_its_budget_is_the_one_sampled_with_that_budget(vllm_engine):
+    """generator.max_len: a batch samples with its largest budget, and each completion is cut at its own
+    (actors/generator.py `cut`); greedy, the cut one equals the one sampled with the smaller budget."""
+    from actors.generator import cut
+
+    ids = _prompt_ids(vllm_engine.tokenizer)
+    long = vllm_engine.generate(ids, 1, Sampling(temperature=0.0, max_tokens=12))
+    short = vllm_engine.generate(ids, 1, Sampling(temperature=0.0, max_tokens=3))
+    for (a,), (b,) in zip(long, short):
+        c = cut(a, 3, vllm_engine.tokenizer)
+        assert (c.token_ids, c.finish_reason, c.text) == (b.token_ids, b.finish_reason, b.text)
+        assert c.logprobs == pytest.approx(b.logprobs, abs=1e-5)
+        assert cut(a, 12, vllm_engine.tokenizer) is a  # within its budget: as it was
+
+
 @pytest.mark.slow
 def test_stop_strings_end_a_completion_on_the_token_that_completes_them(vllm_engine, hf):
     """Both engines stop where the text first holds a stop string: the ids are the unstopped

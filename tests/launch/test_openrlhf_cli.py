@@ -160,7 +160,9 @@ def test_the_0_11_0_correction_flags_mean_what_0_11_2_names_the_same(files, kind
 
 def test_data_max_len_is_prompt_plus_completion(files):
     g = local(files["base"] + ["--data.max_len", "512", "--rollout.max_new_tokens", "64"]).generator
-    assert (g.max_model_len, g.prompt_max_len, g.max_new_tokens) == (512, 448, 64)
+    assert (g.max_model_len, g.prompt_max_len, g.max_new_tokens, g.max_len) == (512, 448, 64, 0)
+    g = local(files["base"] + ["--data.max_len", "512"]).generator  # each completion gets what its prompt leaves
+    assert (g.max_model_len, g.prompt_max_len, g.max_new_tokens, g.max_len) == (512, 511, 511, 512)
     g = local(files["base"] + ["--max_len", "512", "--generate_max_len", "100", "--prompt_max_len", "200"]).generator
     assert (g.max_model_len, g.prompt_max_len) == (512, 200)  # an explicit prompt budget wins
     with pytest.raises(ConfigError, match="--data.max_len 64: no room for a prompt"):
@@ -428,6 +430,7 @@ def test_the_algorithm_knobs_map_onto_the_learner(files):
                                "--freezing_actor_steps", "2"]).learner
     assert l.critic_warmup_steps == 3  # OpenRLHF trains the actor once global_step > 2: steps 0, 1, 2 frozen
     assert local(files["base"] + ["--critic.freezing_steps", "-1"]).learner.critic_warmup_steps == 0
+    assert local(files["base"] + ["--algo.kl.target", "0"]).learner.kl_target is None  # falsy there: fixed
     l = local(files["base"] + ["--actor.policy_loss_type", "gspo"]).learner
     assert (l.policy_loss, l.behav_correction, l.gspo_ratio) == ("gspo", "none", "prox")
     l = local(files["base"] + ["--actor.policy_loss_type", "gspo", "--algo.advantage.is_correction_level", "token"]
