@@ -2,16 +2,12 @@
 
 from __future__ import annotations
 
-import json
-
 import pytest
 
-from demo.tiny_model import build_tokenizer, vocab
+from demo.tiny_model import build_tokenizer
 from learner.offline.config import DPOConfig, RMConfig, SFTConfig
 from learner.offline.datasets import DatasetError, load_examples, load_splits
-
-V = vocab()
-BOS, EOS = V["<s>"], V["</s>"]
+from tests.helpers.offline import BOS, EOS, V, ids, write
 
 # A small ChatML-like template: every message is "<s>" role ":" content "\n", the generation prompt
 # is "<s>assistant:". (The tiny tokenizer has one token per character.)
@@ -19,20 +15,9 @@ TEMPLATE = ("{% for m in messages %}<s>{{ m['role'] }}:{{ m['content'] }}\n{% en
             "{% if add_generation_prompt %}<s>assistant:{% endif %}")
 
 
-def ids(text: str) -> list[int]:
-    return [V[c] for c in text]
-
-
 @pytest.fixture(scope="module")
 def tok():
     return build_tokenizer()
-
-
-def write(path, rows) -> str:
-    with open(path, "w") as f:
-        for r in rows:
-            f.write((r if isinstance(r, str) else json.dumps(r)) + "\n")
-    return str(path)
 
 
 def sft_cfg(**kw) -> SFTConfig:

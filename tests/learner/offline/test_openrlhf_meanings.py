@@ -5,35 +5,23 @@ gradients as padded batches)."""
 
 from __future__ import annotations
 
-import json
 import math
 
 import pytest
 import torch
 
 from buffer.prompts import mix_order
-from demo.tiny_model import build_tokenizer, vocab
+from demo.tiny_model import build_tokenizer
 from learner.offline.config import DPOConfig, RMConfig, SFTConfig
 from learner.offline.datasets import Encoded, Pair, load_examples, load_splits
 from learner.offline.loop import Data, load_tokenizer
 from learner.offline.rm import pair_loss
-
-V = vocab()
-BOS, EOS = V["<s>"], V["</s>"]
-
-
-def ids(text: str) -> list[int]:
-    return [V[c] for c in text]
+from tests.helpers.offline import BOS, EOS, V, ids, write
 
 
 @pytest.fixture(scope="module")
 def tok():
     return build_tokenizer()
-
-
-def write(path, rows) -> str:
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return str(path)
 
 
 def sft_cfg(**kw) -> SFTConfig:
