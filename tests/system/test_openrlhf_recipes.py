@@ -37,6 +37,14 @@ def reward_func(queries, prompts, labels, **kwargs):
 '''
 
 
+def run_local(argv: list[str], save) -> list[dict]:
+    """`python -m launch.local ARGV` to its end (exit 0), and the metrics rows it wrote under `save`."""
+    res = subprocess.run([sys.executable, "-m", "launch.local", *argv], cwd=ROOT, env=subprocess_env(),
+                         capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    return [json.loads(x) for x in (save / "metrics.jsonl").read_text().splitlines()]
+
+
 @pytest.mark.slow
 def test_an_rlvr_command_line_of_openrlhf_runs_to_completion(quick_start_files, tmp_path):
     reward = tmp_path / "reward_func.py"
@@ -58,10 +66,7 @@ def test_an_rlvr_command_line_of_openrlhf_runs_to_completion(quick_start_files, 
         "--train.max_tokens_per_gpu", "256", "--logger.tensorboard_dir", str(tmp_path / "tb"),
         "--learner.total_steps", "3",
     ]
-    res = subprocess.run([sys.executable, "-m", "launch.local", *argv], cwd=ROOT, env=subprocess_env(),
-                         capture_output=True, text=True, timeout=600)
-    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
-    rows = [json.loads(x) for x in (save / "metrics.jsonl").read_text().splitlines()]
+    rows = run_local(argv, save)
     assert [r["step"] for r in rows] == [0, 1, 2]
     for r in rows:
         assert 0.0 <= r["reward/mean"] <= 1.0 and math.isfinite(r["loss/kl"])
@@ -121,10 +126,7 @@ def test_the_async_agent_recipe_of_openrlhf_runs_to_completion(quick_start_files
         "--rollout.max_new_tokens", "4", "--actor.adam.lr", "1e-5", "--algo.advantage.estimator", "group_norm",
         "--train.async_enable", "--train.async_queue_size", "1", "--learner.total_steps", "2",
     ]
-    res = subprocess.run([sys.executable, "-m", "launch.local", *argv], cwd=ROOT, env=subprocess_env(),
-                         capture_output=True, text=True, timeout=600)
-    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
-    rows = [json.loads(x) for x in (save / "metrics.jsonl").read_text().splitlines()]
+    rows = run_local(argv, save)
     steps = [r for r in rows if "loss/policy" in r]
     assert [r["step"] for r in steps] == [0, 1] and all(0.0 <= r["reward/mean"] <= 1.0 for r in steps)
     resolved = (save / "config.yaml").read_text()
