@@ -186,7 +186,7 @@ def finish(run: Run, explicit: dict | None = None, paths: bool = True) -> None:
             else:
                 b.prompts_per_step = tbs // n
         if "micro_train_batch_size" in run.extra:
-            per_rank = b.prompts_per_step * n // r.learner_ranks
+            per_rank = b.prompts_per_step * n // max(1, r.learner_ranks // l.sequence_parallel)  # (per share)
             micro = run.extra["micro_train_batch_size"]
             if micro < 1 or per_rank % micro:
                 raise ConfigError(f"--micro_train_batch_size={micro} does not divide the {per_rank} samples "
@@ -249,16 +249,21 @@ def finish(run: Run, explicit: dict | None = None, paths: bool = True) -> None:
     if l.eval_every and l.eval_every % l.sync_every:
         errors.append(f"eval.every={l.eval_every} must be a multiple of learner.sync_every={l.sync_every}: the "
                       f"generators only ever hold the versions the learner publishes")
-    if b.prompts_per_step % r.learner_ranks:
-        errors.append(f"buffer.prompts_per_step={b.prompts_per_step} is not divisible by run.learner_ranks="
-                      f"{r.learner_ranks} (each rank takes whole prompt groups)")
+    shares = r.learner_ranks // l.sequence_parallel  # (a sequence-parallel group trains one share)
+    if r.learner_ranks % l.sequence_parallel:
+        errors.append(f"learner.sequence_parallel={l.sequence_parallel} does not divide run.learner_ranks="
+                      f"{r.learner_ranks} (each group of ranks shares the sequences of one share)")
+    elif b.prompts_per_step % shares:
+        errors.append(f"buffer.prompts_per_step={b.prompts_per_step} is not divisible by the {shares} learner "
+                      f"share(s) (run.learner_ranks={r.learner_ranks} / learner.sequence_parallel="
+                      f"{l.sequence_parallel}): each share is whole prompt groups")
     else:
-        per_rank = b.prompts_per_step // r.learner_ranks * b.n_samples_per_prompt
+        per_rank = b.prompts_per_step // shares * b.n_samples_per_prompt
         need = l.num_mini_batches * l.gradient_accumulation_steps
         if per_rank < need:
             errors.append(f"each rank trains on {per_rank} samples per step (buffer.prompts_per_step="
                           f"{b.prompts_per_step} x n_samples_per_prompt={b.n_samples_per_prompt} / "
-                          f"{r.learner_ranks} ranks), fewer than learner.num_mini_batches x "
+                          f"{shares} share(s)), fewer than learner.num_mini_batches x "
                           f"gradient_accumulation_steps = {need}")
     datasets = [p.strip() for p in b.prompts.split(",") if p.strip()]  # files or dataset folders
     for p in datasets if paths else ():

@@ -209,6 +209,11 @@ class LearnerConfig(OptimConfig, WeightSyncAddress, BufferAddress):
     decreasing into rows as long as the mini-batch's longest sequence; position ids restart per
     sequence, attention stays within it); losses and gradients equal the padded ones within float
     rounding. OpenRLHF's packing_samples. (The reference scorer always packs.)"""
+    sequence_parallel: int = Field(1, ge=1)
+    """Ranks sharing each sequence (DeepSpeed-Ulysses: each runs a slice of the positions, attention
+    swaps the slices for heads with an all-to-all): run.learner_ranks / sequence_parallel groups
+    train data-parallel shares. Must divide run.learner_ranks and the model's attention heads.
+    OpenRLHF's ring_attn_size (learner.sequence_parallel)."""
 
     # ---- optimisation -------------------------------------------------------------------------
     ppo_epochs: int = Field(1, ge=1)
@@ -276,6 +281,9 @@ class LearnerConfig(OptimConfig, WeightSyncAddress, BufferAddress):
         if self.dist_timeout_s <= self.batch_timeout_s:
             errs.append(f"learner.dist_timeout_s={self.dist_timeout_s} must be > batch_timeout_s="
                         f"{self.batch_timeout_s} (ranks wait for their batches between collectives)")
+        if self.sequence_parallel > 1 and self.aux_loss_coef:
+            errs.append(f"learner.sequence_parallel={self.sequence_parallel} with aux_loss_coef={self.aux_loss_coef}: "
+                        f"the router loss is not computed over sequences split across ranks; set one of them off")
         if self.behav_low >= self.behav_high:
             errs.append(f"learner.behav_low={self.behav_low}, behav_high={self.behav_high}: need 0 <= low < high")
         errs += self.openrlhf_knob_problems()

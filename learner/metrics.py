@@ -24,8 +24,9 @@ VARYING = ("reward/extra/",)
 _RANKS_WITH_VARYING = "_ranks_with_varying"
 
 
-def reduce_across_ranks(metrics: dict[str, float], device) -> dict[str, float]:
-    """Mean over ranks; `*_min` keys take the min, `*_max` the max, the keys in SUMMED the sum.
+def reduce_across_ranks(metrics: dict[str, float], device, copies: int = 1) -> dict[str, float]:
+    """Mean over ranks; `*_min` keys take the min, `*_max` the max, the keys in SUMMED the sum (of
+    each share once: `copies` ranks hold each, a sequence-parallel group).
 
     Collective: every rank must pass the same keys (the loops build them the same way on each), but
     for those under a VARYING prefix, each the mean over the ranks that have it.
@@ -52,6 +53,8 @@ def reduce_across_ranks(metrics: dict[str, float], device) -> dict[str, float]:
         dist.all_reduce(t, op=ops[kind])
         if kind == "mean":
             t = t / world
+        elif kind == "sum" and copies > 1:
+            t = t / copies
         out.update(zip(ks, t.tolist()))
     if out.pop(_RANKS_WITH_VARYING):  # every rank knows whether any has such keys: all gather, or none
         shares: list = [None] * world

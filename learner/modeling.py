@@ -115,15 +115,24 @@ def token_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor 
 
 
 def next_token_stats(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, temperature: float = 1.0,
-                     packed: PackedRows | None = None,
-                     entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+                     packed: PackedRows | None = None, entropy: bool = False,
+                     sp=None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-probs (B, L-1) of every next token of a right-padded (B, L) batch and, with `entropy`,
     the entropy (B, L-1) of each prediction at `temperature` (grad flows through both).
 
     With `packed` (`learner.packing.pack_rows` of this batch) the model runs on the packed rows
     and both come back on the padded frame, 0 where the padded frame predicts no token of a
     sequence; on the positions that do, they equal the padded forward's (tests/learner/test_packing.py).
-    Only per-token results are unpacked, never the (., ., V) logits."""
+    Only per-token results are unpacked, never the (., ., V) logits.
+
+    `sp` (a `learner.sequence_parallel.SequenceParallel`): the rows' positions are shared by the
+    ranks of its group, each running its slice; the results are whole on every rank."""
+    if sp is not None:
+        ids, pos = (input_ids, None) if packed is None else (packed.input_ids, packed.position_ids)
+        logprobs, ent = sp.token_stats(model, ids, pos, temperature, entropy)
+        if packed is not None:
+            logprobs, ent = packed.unpack_next(logprobs), (packed.unpack_next(ent) if ent is not None else None)
+        return logprobs, ent
     if packed is None:
         logits = next_token_logits(model, input_ids, attention_mask)  # (B, L-1, V)
         labels, unpack = input_ids[:, 1:], None

@@ -56,10 +56,18 @@ class Share:
 
 
 def fetch_batch(source, step: int, rank: int, world: int, cfg: LearnerConfig, device: torch.device,
-                ledger: Ledger | None = None) -> Batch | None:
+                ledger: Ledger | None = None, sp=None) -> Batch | None:
     """This rank's share of step `step`, or None when the buffer is done. All ranks agree on which
-    (collective); a failure or a share too small for the step on any rank fails every rank."""
-    share = ask_for_share(source, step, rank, world, cfg, ledger)
+    (collective); a failure or a share too small for the step on any rank fails every rank.
+
+    `sp` (a `learner.sequence_parallel.SequenceParallel`): the group's leader asks for the group's
+    share (one of world / size) and sends it to the others."""
+    if sp is None:
+        share = ask_for_share(source, step, rank, world, cfg, ledger)
+    elif sp.leads:
+        share = ask_for_share(source, step, sp.share, sp.shares, cfg, ledger)
+    else:
+        share = Share(Outcome.OK)  # (what the leader got decides, through the agreement)
     flag = torch.tensor([int(share.outcome)], device=device)
     dist.all_reduce(flag, op=dist.ReduceOp.MIN)
     agreed = Outcome(int(flag.item()))
@@ -71,7 +79,9 @@ def fetch_batch(source, step: int, rank: int, world: int, cfg: LearnerConfig, de
             f"a rank's share of step {step} has fewer rollouts than num_mini_batches x gradient_accumulation_steps "
             f"= {cfg.num_mini_batches * cfg.gradient_accumulation_steps} (this rank: "
             f"{len(share.batch.scored) if share.batch else 0}); raise buffer.prompts_per_step or lower those")
-    return share.batch if agreed is Outcome.OK else None
+    if agreed is not Outcome.OK:
+        return None
+    return share.batch if sp is None else sp.share_batch(share.batch, device)
 
 
 def ask_for_share(source, step: int, rank: int, world: int, cfg: LearnerConfig, ledger: Ledger | None) -> Share:
@@ -120,7 +130,7 @@ def step_group_ids(batch, world: int, device: torch.device) -> list[int]:
     padded[: len(mine)] = torch.tensor(mine, dtype=torch.int64)
     gathered = [torch.empty_like(padded) for _ in range(world)]
     dist.all_gather(gathered, padded)  # (world, width), -1 past each share's end
-    return sorted(int(g) for t in gathered for g in t.tolist() if g >= 0)
+    return sorted({int(g) for t in gathered for g in t.tolist() if g >= 0})  # (a sequence-parallel group's once)
 
 
 def handshake(source, step: int, ledger: Ledger | None) -> None:

@@ -77,6 +77,7 @@ from learner.metrics import MetricsWriter, reduce_across_ranks
 from learner.modeling import masked_mean, next_token_stats
 from learner.moe import RouterAuxLoss
 from learner.packing import PackedRows
+from learner.sequence_parallel import SequenceParallel
 from learner.source import due, evaluate, fetch_batch, handshake, step_group_ids, tell_version
 from learner.token_budget import forward_chunks, over_budget, plan_micro_batches
 
@@ -106,7 +107,11 @@ def train_rank(cfg: LearnerConfig, source, rank: int, world: int, device: torch.
     """The loop itself, on a rank of an initialised process group. However it ends, what it opened
     (the buffer client, and on rank 0 the ledger, the metrics writer and the weight sender) is closed."""
     torch.manual_seed(cfg.seed)
+    # ranks sharing each sequence (`learner.sequence_parallel`); a group trains one data-parallel share
+    sp = SequenceParallel.create(cfg.sequence_parallel, rank, world) if cfg.sequence_parallel > 1 else None
     policy = build_policy_engine(cfg)
+    if sp is not None:
+        sp.check_model(policy.module.config)
     aux = RouterAuxLoss(policy, cfg.aux_loss_coef, cfg.model_path) if cfg.aux_loss_coef else None
     critic = build_critic_engine(cfg) if cfg.advantage_estimator == "gae" else None
     pad_id = policy.module.config.pad_token_id or 0
@@ -149,7 +154,7 @@ def train_rank(cfg: LearnerConfig, source, rank: int, world: int, device: torch.
             # (the policy of version `step` is what the generators hold now: the round is run with it)
             evaluated = evaluate(source, step, cfg) if rank == 0 and due(cfg, step) else {}
             t0 = time.monotonic()
-            batch = fetch_batch(source, step, rank, world, cfg, device, ledger)
+            batch = fetch_batch(source, step, rank, world, cfg, device, ledger, sp)
             if batch is None:
                 if rank == 0:
                     log.info(f"buffer is done at step {step}")
@@ -158,7 +163,7 @@ def train_rank(cfg: LearnerConfig, source, rank: int, world: int, device: torch.
 
             tb = to_train_batch(batch.scored, pad_id).to(device)
             t1 = time.monotonic()
-            metrics = train_step(kl_ctl.step_config(cfg), policy, critic, tb, step, world, ema, aux)
+            metrics = train_step(kl_ctl.step_config(cfg), policy, critic, tb, step, world, ema, aux, sp)
             metrics.update(kl_ctl.after_step(cfg, metrics, world, device))  # before a checkpoint keeps it
             t_train = time.monotonic() - t1
             trained_step, step = step, step + 1  # the weights are now version `step`
@@ -183,7 +188,7 @@ def train_rank(cfg: LearnerConfig, source, rank: int, world: int, device: torch.
             metrics.update(score_stats(batch))
             metrics.update({"time/wait_for_batch": t_wait, "time/train_step": t_train,
                             "time/publish": t_publish, "time/save": t_save})
-            metrics = reduce_across_ranks(metrics, device)
+            metrics = reduce_across_ranks(metrics, device, copies=sp.size if sp else 1)
             metrics["perf/tokens_per_s"] = metrics["perf/tokens"] / max(metrics["time/train_step"], 1e-9)
             if rank == 0:
                 if synced.get("bytes"):
@@ -213,11 +218,13 @@ def train_rank(cfg: LearnerConfig, source, rank: int, world: int, device: torch.
 
 
 def train_step(cfg: LearnerConfig, policy, critic, tb: TrainBatch, step: int, world: int,
-               ema: PolicyEMA | None = None, aux: RouterAuxLoss | None = None) -> dict[str, float]:
+               ema: PolicyEMA | None = None, aux: RouterAuxLoss | None = None,
+               sp: SequenceParallel | None = None) -> dict[str, float]:
     """Steps 2-4 of the loop on this rank's share `tb`; returns metrics (this rank's; the loop reduces).
-    `ema`: updated after each optimizer step of the policy; `aux`: the MoE router loss to add."""
+    `ema`: updated after each optimizer step of the policy; `aux`: the MoE router loss to add; `sp`:
+    this rank's sequence-parallel group (which holds the same share)."""
     grad_accum = cfg.gradient_accumulation_steps
-    metrics = prepare_step(cfg, policy, critic, tb, step, world)
+    metrics = prepare_step(cfg, policy, critic, tb, step, world, sp)
     train_policy = step >= cfg.critic_warmup_steps  # during the critic's warm-up the policy stays as it is
 
     # 4. the updates
@@ -236,14 +243,14 @@ def train_step(cfg: LearnerConfig, policy, critic, tb: TrainBatch, step: int, wo
                 parts = {}
                 if train_policy:
                     plan.boundary(policy, j)
-                    loss, parts = policy_micro_loss(cfg, policy, mb, packed, num_tokens, num_seqs)
+                    loss, parts = policy_micro_loss(cfg, policy, mb, packed, num_tokens, num_seqs, sp)
                     if aux is not None:
                         loss = aux.add(loss, parts, plan.row_weight(j, grad_accum))
                     policy.backward(loss)
                     policy.step()  # DeepSpeed applies the update at the last micro-batch of the mini-batch
                 if critic is not None:
                     plan.boundary(critic, j)
-                    v_loss, vm = value_loss(critic_values(critic, mb, packed), mb.old_values, mb.returns,
+                    v_loss, vm = value_loss(critic_values(critic, mb, packed, sp), mb.old_values, mb.returns,
                                             mb.loss_mask, cfg.value_clip_eps, cfg.loss_agg, num_tokens, num_seqs)
                     critic.backward(v_loss)
                     critic.step()
@@ -272,7 +279,8 @@ def train_step(cfg: LearnerConfig, policy, critic, tb: TrainBatch, step: int, wo
     return metrics
 
 
-def prepare_step(cfg: LearnerConfig, policy, critic, tb: TrainBatch, step: int, world: int) -> dict[str, float]:
+def prepare_step(cfg: LearnerConfig, policy, critic, tb: TrainBatch, step: int, world: int,
+                 sp: SequenceParallel | None = None) -> dict[str, float]:
     """Steps 2-3: fills tb's pi_old, old values, weights, loss mask, advantages and returns (fixed
     for the whole step); returns the step's batch metrics. `policy` and `critic` may be engines or
     plain modules (no optimizer is touched)."""
@@ -286,15 +294,15 @@ def prepare_step(cfg: LearnerConfig, policy, critic, tb: TrainBatch, step: int, 
     # 2. pi_old: the weights at the start of the step, no grad (and the critic's values)
     chunks, longest = forward_chunks(cfg, tb.attention_mask.sum(-1).tolist(), n_chunks, tb.input_ids.device)
     tb.prox_logprobs = forward_in_chunks(lambda mb: next_token_stats(
-        policy, mb.input_ids, mb.attention_mask, cfg.temperature, packed_rows(cfg, mb, longest))[0], tb, chunks)
+        policy, mb.input_ids, mb.attention_mask, cfg.temperature, packed_rows(cfg, mb, longest), sp=sp)[0], tb, chunks)
     if critic is not None:
         tb.old_values = forward_in_chunks(
-            lambda mb: critic_values(critic, mb, packed_rows(cfg, mb, longest)), tb, chunks)
+            lambda mb: critic_values(critic, mb, packed_rows(cfg, mb, longest), sp), tb, chunks)
     if cfg.kl_coef > 0 and tb.ref_logprobs is None and lora:
         # LoRA: the reference is the frozen base, i.e. this model with its adapter switched off
         with adapter_disabled(policy):
             tb.ref_logprobs = forward_in_chunks(lambda mb: next_token_stats(
-                policy, mb.input_ids, mb.attention_mask, cfg.temperature, packed_rows(cfg, mb, longest))[0],
+                policy, mb.input_ids, mb.attention_mask, cfg.temperature, packed_rows(cfg, mb, longest), sp=sp)[0],
                 tb, chunks)
 
     # 3. behaviour correction and advantages, fixed for the whole step
@@ -329,11 +337,12 @@ def prepare_step(cfg: LearnerConfig, policy, critic, tb: TrainBatch, step: int, 
 
 
 def policy_micro_loss(cfg: LearnerConfig, policy, mb: TrainBatch, packed: PackedRows | None,
-                      num_tokens: torch.Tensor, num_seqs: torch.Tensor) -> tuple[torch.Tensor, dict[str, float]]:
+                      num_tokens: torch.Tensor, num_seqs: torch.Tensor,
+                      sp: SequenceParallel | None = None) -> tuple[torch.Tensor, dict[str, float]]:
     """One micro-batch's policy loss (PPO + the KL and entropy terms the config asks for), with grad,
     and its metrics. `packed`: run the forward on mb's packed rows (`mb.packed_rows()`)."""
     logprobs, entropy = next_token_stats(policy, mb.input_ids, mb.attention_mask, cfg.temperature, packed,
-                                         entropy=cfg.entropy_coef > 0)  # (b, t) each
+                                         entropy=cfg.entropy_coef > 0, sp=sp)  # (b, t) each
     if cfg.policy_loss == "gspo":
         base = mb.behav_logprobs if cfg.gspo_ratio == "behav" else mb.prox_logprobs
         pg_loss, pg = gspo_loss(logprobs, base, mb.advantages, mb.loss_mask, cfg.clip_eps_low, cfg.clip_eps_high,
@@ -362,8 +371,13 @@ def packed_rows(cfg: LearnerConfig, mb: TrainBatch, capacity: int | None = None)
     return mb.packed_rows(capacity) if cfg.packing else None
 
 
-def critic_values(critic, mb: TrainBatch, packed: PackedRows | None) -> torch.Tensor:
+def critic_values(critic, mb: TrainBatch, packed: PackedRows | None,
+                  sp: SequenceParallel | None = None) -> torch.Tensor:
     """The critic's value of each state (b, t) on mb's frame (grad flows); `packed`: on packed rows."""
+    if sp is not None:
+        if packed is None:
+            return sp.values(critic, mb.input_ids, None)[:, :-1]
+        return packed.unpack(sp.values(critic, packed.input_ids, packed.position_ids))[:, :-1]
     if packed is None:
         return critic(mb.input_ids, mb.attention_mask)[:, :-1]
     return packed.unpack(critic(packed.input_ids, None, packed.position_ids))[:, :-1]  # (R, C) -> (b, l) -> (b, t)
@@ -403,6 +417,9 @@ def mini_batch_denominators(loss_mask: torch.Tensor, micro: list[torch.Tensor], 
 
     DeepSpeed divides each micro-batch's loss by grad_accum and averages gradients over ranks, so
     a micro-batch's token sum is divided by (tokens of the mini-batch on all ranks) / (world * grad_accum).
+    (A sequence-parallel group's ranks hold the same share: each counts it, as it counts in the
+    ranks' mean of the loss; the gradient of each rank's slice is the whole group's, see
+    `learner.sequence_parallel`.)
     """
     idx = torch.cat(micro).to(loss_mask.device)
     counts = torch.stack([loss_mask[idx].sum(), loss_mask[idx].any(-1).sum()]).double()  # (2,)

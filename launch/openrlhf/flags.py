@@ -289,10 +289,10 @@ TABLE: dict[str, Spec] = {
     "reward.overlong_penalty_factor": to("scorer.overlong_penalty_factor", convert=float),
     "reward.stop_properly_penalty_coef": to("learner.stop_properly_penalty_coef", convert=lambda v: None if
                                             str(v).lower() in ("none", "null") else float(v)),
-    "ds.ring_attn_size": refuse("ring attention is not supported: a learner rank holds whole sequences (sequence "
-                                "parallelism is not built; gloo has the all-to-all a Ulysses split needs, so it "
-                                "can be, see docs/openrlhf.md)", 1),
-    "ds.ring_attn_head_stride": note("used with --ds.ring_attn_size only"),
+    "ds.ring_attn_size": to("learner.sequence_parallel", convert=int,
+                            why="sequence parallelism as DeepSpeed-Ulysses (an all-to-all per attention layer), "
+                                "not ring attention: the same split of each sequence over that many ranks"),
+    "ds.ring_attn_head_stride": note("ring attention's head stride: a Ulysses split has none"),
     "actor.model_name_or_path": to("learner.model_path", "generator.model"),
     "reward.model_name_or_path": to("scorer.reward_model", "extra.reward_model", why="one reward model"),
     "reward.remote_url": to("extra.remote_url", why="a reward file (reward_func): scorer.reward_fn; http(s) URLs, "

@@ -98,7 +98,9 @@ COMMON: dict[str, Spec] = {
     "ds.grad_accum_dtype": note(SPEED),
     "ds.overlap_comm": note(SPEED),
     "ds.tensor_parallel_size": note("a memory layout: ranks are data-parallel ZeRO; the gradient is the same"),
-    "ds.ring_attn_size": refuse("ring attention is not supported", 1, int),
+    "ds.ring_attn_size": refuse("sequence parallelism is built for the RL learner only (train_ppo_ray's "
+                                "--ds.ring_attn_size: learner.sequence_parallel); the offline trainers hold "
+                                "whole sequences", 1, int),
     "ds.ring_attn_head_stride": note("used with --ds.ring_attn_size only"),
     "ds.load_in_4bit": refuse("4-bit (QLoRA) base weights are not supported", False, parse_bool),
     "ds.lora.rank": to("lora_rank", convert=int),

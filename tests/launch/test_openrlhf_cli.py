@@ -101,9 +101,9 @@ def test_every_0_11_2_flag_is_mapped_accepted_or_refused_by_name(files):
     unknown = [n for n in names if spec(n) is None and n not in SAME_KEYS]
     assert not unknown, unknown
     refused = [n for n in names if n not in SAME_KEYS and spec(n).refused]
-    assert len(names) - len(refused) == 164  # of 167: mapped or accepted
-    # refused: 4-bit weights (no such kernels on this stack), sequence parallelism, images (not built yet)
-    assert sorted(refused) == ["data.max_images_per_prompt", "ds.load_in_4bit", "ds.ring_attn_size"], refused
+    assert len(names) - len(refused) == 165  # of 167: mapped or accepted
+    # refused: 4-bit weights (no such kernels on this stack), images (not built yet)
+    assert sorted(refused) == ["data.max_images_per_prompt", "ds.load_in_4bit"], refused
     for opt in flags:  # each accepted flag with a value OpenRLHF users give: the run config still parses
         name = opt["flag"][2:]
         argv = files["base"] + sample(opt, files)
@@ -171,8 +171,8 @@ def test_data_max_len_is_prompt_plus_completion(files):
 
 def test_refusals_name_the_flag_and_why_on_both_launchers(files):
     for argv, expect in [
-        (["--ds.ring_attn_size", "2"], "--ds.ring_attn_size 2: ring attention is not supported"),
-        (["--ring_attn_size", "4"], "--ring_attn_size 4: ring attention is not supported"),
+        (["--ds.ring_attn_size", "2"], "learner.sequence_parallel=2 does not divide run.learner_ranks=1"),
+        (["--ring_attn_size", "4", "--actor_num_gpus_per_node", "2"], "sequence_parallel=4 does not divide"),
         (["--load_in_4bit"], "--load_in_4bit true: 4-bit (QLoRA) base weights are not supported"),
         (["--algo.advantage.is_correction_gating", "tv", "--algo.advantage.is_correction_level", "token",
           "--algo.advantage.is_correction_mode", "clip"], "is_correction_mode clip: needs is_correction_level token "
@@ -378,7 +378,7 @@ def test_help_lists_the_flags_grouped_with_their_meaning_fast():
     for text in (out.stdout, ray_help(ray_doc)):
         assert "--algo.advantage.estimator [--advantage_estimator] -> learner.advantage_estimator" in text
         assert "--eval.steps [--eval_steps] -> eval.every" in text
-        assert "--ds.ring_attn_size [--ring_attn_size]: ring attention is not supported" in text
+        assert "--ds.ring_attn_size [--ring_attn_size] -> learner.sequence_parallel" in text
         assert "Conveyor's\nown keys win" in text or "own keys win" in text
 
 
@@ -437,6 +437,10 @@ def test_the_algorithm_knobs_map_onto_the_learner(files):
               ).learner  # OpenRLHF's GSPO then takes its ratio to the rollout policy, and skips the correction
     assert (l.policy_loss, l.behav_correction, l.gspo_ratio) == ("gspo", "none", "behav")
     assert local(files["base"] + ["--normalize_reward"]).scorer.reward_normalize is True
+    # sequence parallelism: 4 actor ranks in groups of 2 train 2 data-parallel shares
+    run = local(files["base"] + ["--ds.ring_attn_size", "2", "--ds.ring_attn_head_stride", "1",
+                                 "--actor.num_gpus_per_node", "4", "--rollout.batch_size", "2"])
+    assert (run.learner.sequence_parallel, run.run.learner_ranks) == (2, 4)
 
 
 def test_reward_files_and_servers_map_onto_the_scorer(files):

@@ -137,7 +137,7 @@ def test_earlier_underscore_names_still_work():
 
 def test_refusals_and_unknown_flags_say_what_and_why():
     for command, argv, expect in [
-        ("sft", ["--ds.ring_attn_size", "2"], "--ds.ring_attn_size 2: ring attention is not supported"),
+        ("sft", ["--ds.ring_attn_size", "2"], "--ds.ring_attn_size 2: sequence parallelism is built for the RL"),
         ("dpo", ["--load_in_4bit"], "--load_in_4bit true: 4-bit (QLoRA) base weights are not supported"),
         ("rm", ["--model.aux_loss_coef", "0.01"], "--model.aux_loss_coef 0.01: the MoE load-balancing loss"),
         ("sft", ["--ds.param_dtype", "fp16"], "--ds.param_dtype: cannot use 'fp16'"),

@@ -5,7 +5,8 @@ The RLVR recipe: REINFORCE with the group-mean baseline, a reward file in OpenRL
 imports `openrlhf.utils` (not installed here) and returns rewards, scores and extra logs, the KL as
 a loss, asynchronous training, `--data.max_len` without `--rollout.max_new_tokens` (each completion
 gets what its prompt leaves), 0.11.0's spelling of the vLLM correction, reward clipping, the stop-
-properly penalty, EMA and token-budget micro-batches: every flag is OpenRLHF 0.11.x's.
+properly penalty, EMA, token-budget micro-batches and sequence parallelism (two learner ranks
+sharing every sequence, `--ds.ring_attn_size 2`): every flag is OpenRLHF 0.11.x's.
 An untrained tiny policy earns 0 on every prompt, so dynamic filtering would drop every group: the
 reward file's scores driving it are tests/actors/test_openrlhf_rewards.py's run. The asynchronous
 agent recipe runs an agent file whose executor drives generation itself. The PPO quick start with a
@@ -52,7 +53,7 @@ def test_an_rlvr_command_line_of_openrlhf_runs_to_completion(quick_start_files, 
     save = tmp_path / "checkpoint"
     argv = [
         "--ref.num_nodes", "1", "--ref.num_gpus_per_node", "1", "--actor.num_nodes", "1",
-        "--actor.num_gpus_per_node", "1", "--vllm.num_engines", "1", "--vllm.tensor_parallel_size", "1",
+        "--actor.num_gpus_per_node", "2", "--ds.ring_attn_size", "2", "--vllm.num_engines", "1", "--vllm.tensor_parallel_size", "1",
         "--actor.model_name_or_path", quick_start_files["model"], "--reward.remote_url", str(reward),
         "--data.prompt_dataset", quick_start_files["prompts"], "--data.input_key", "input",
         "--data.label_key", "label", "--ckpt.output_dir", str(save), "--ckpt.save_steps", "-1",
@@ -75,7 +76,7 @@ def test_an_rlvr_command_line_of_openrlhf_runs_to_completion(quick_start_files, 
     resolved = (save / "config.yaml").read_text()
     for key in ("advantage_estimator: reinforce_baseline", "behav_correction: icepop", "ema_beta: 0.992",
                 "max_tokens_per_micro_batch: 256", "stop_properly_penalty_coef: 0.5", "prompt_max_len: 31",
-                "max_len: 32"):
+                "max_len: 32", "sequence_parallel: 2", "learner_ranks: 2"):
         assert key in resolved, key
     assert (save / "checkpoints" / "step_3" / "config.json").is_file()  # the final one, the EMA's weights
 
