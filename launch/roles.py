@@ -32,6 +32,7 @@ from pathlib import Path
 
 from common.curve import KEYS_ENV, NAME_ENV, make_keys
 from launch.process import PYTHON
+from launch.run_config import secret_env
 
 CONFIG = "{config}"  # in a role's argv: the path of the resolved config it reads
 ROOT = Path(__file__).resolve().parents[1]
@@ -193,7 +194,8 @@ def _plan(run, launcher: str, restart: RestartPolicy) -> list[RoleSpec]:
     specs = [RoleSpec(kind, kind, [PYTHON, "-m", f"launch.{kind}", CONFIG], env, finishes=False, ready=waited)
              for kind in ("buffer", "weight_sync")]
     specs += [RoleSpec(f"scorer-{i}", "scorer", [PYTHON, "-m", "launch.scorer", CONFIG, "--scorer.worker_id",
-                                                 f"scorer-{i}"], role_env(r.threads_per_role, keys, f"scorer-{i}"),
+                                                 f"scorer-{i}"],
+                       {**role_env(r.threads_per_role, keys, f"scorer-{i}"), **secret_env(run)},
                        required=False, restart=restart,
                        ready=Readiness(timeout_s=r.ready_timeout_s))
               for i in range(r.num_scorers)]

@@ -136,7 +136,13 @@ class Run:
         return {name: getattr(self, name) for name in section_classes()}
 
     def to_dict(self) -> dict:
-        return {name: cfg.to_dict() for name, cfg in self.sections().items()}
+        """Every section as plain values, the SECRETS blanked (this is what the resolved config
+        file holds; the roles that need a secret get it in their environment: `secret_env`)."""
+        out = {name: cfg.to_dict() for name, cfg in self.sections().items()}
+        for section, key, _ in SECRETS:
+            if out[section].get(key):
+                out[section][key] = ""
+        return out
 
     def stale_state(self) -> str:
         """Why starting this run would mix with an earlier one in the same folder ("" when it would not)."""
@@ -284,6 +290,16 @@ def assign_ports(run: Run, base: int) -> None:
     run.buffer.port = base
     run.weight_sync.port = base + 4
     finish(run, explicit=run.explicit)
+
+
+SECRETS = (("scorer", "remote_token", "CONVEYOR_RM_TOKEN"),)
+"""(section, key, environment variable): values never written to a file; the role reads the variable."""
+
+
+def secret_env(run: Run) -> dict[str, str]:
+    """The environment that carries the run's SECRETS to its roles (those set only)."""
+    return {env: str(getattr(getattr(run, section), key)) for section, key, env in SECRETS
+            if getattr(getattr(run, section), key)}
 
 
 def write_resolved(run: Run, path: str | Path) -> Path:

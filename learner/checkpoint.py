@@ -73,11 +73,13 @@ def save_hf(engine, out: Path, tokenizer_src: str | Path) -> None:
 
 
 def save_checkpoint(run_dir: str | Path, step: int, policy, critic=None, tokenizer_src: str | Path = "",
-                    extra: dict[str, Any] | None = None, keep: int = 0, merged: bool = False) -> Path:
+                    extra: dict[str, Any] | None = None, keep: int = 0, merged: bool = False,
+                    also=None) -> Path:
     """Save everything needed to continue at `step`; returns the folder. Called on every rank.
 
     A LoRA policy saves its adapter, and the merged HF model only with `merged`; any other
-    policy always saves its HF model."""
+    policy always saves its HF model. `also(folder)` (collective) writes more into it before it is
+    marked complete (the EMA: a checkpoint resumed from never lacks what it was saved with)."""
     root = checkpoints_dir(run_dir)
     out = root / f"step_{step}"
     if dist.get_rank() == 0:
@@ -94,6 +96,8 @@ def save_checkpoint(run_dir: str | Path, step: int, policy, critic=None, tokeniz
     policy.save_checkpoint(str(out / "deepspeed"), tag="state", save_latest=False, exclude_frozen_parameters=lora)
     if critic is not None:
         critic.save_checkpoint(str(out / "critic"), tag="state", save_latest=False)
+    if also is not None:
+        also(out)
     dist.barrier()
     if dist.get_rank() == 0:
         # `step` is both the next step to train and the next batch to ask the buffer for (its data position)

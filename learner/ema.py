@@ -90,7 +90,7 @@ class PolicyEMA:
         """The EMA saved in checkpoint `ckpt`; False (the EMA left as it is) when it holds none."""
         path = ckpt / "ema" / (f"rank_{dist.get_rank()}.pt" if self.zero3 else "full.pt")
         if not path.is_file():
-            log.warning(f"{ckpt} holds no EMA (saved with learner.ema_beta=0, or killed while saving it): "
+            log.warning(f"{ckpt} holds no EMA (saved with learner.ema_beta=0): "
                         "the EMA starts again from the resumed weights")
             return False
         state = torch.load(path, map_location="cpu", weights_only=True)

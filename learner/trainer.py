@@ -471,7 +471,6 @@ def checkpoint(cfg: LearnerConfig, step: int, policy, critic, ledger: Ledger | N
     goes into trainer_state.json (the KL coefficient)."""
     if ledger is not None:
         ledger.sync()
-    out = save_checkpoint(cfg.run_dir, step, policy, critic, cfg.model_path, extra=extra, keep=cfg.keep_checkpoints,
-                          merged=cfg.lora_save_merged or final)
-    if ema is not None:
-        ema.save(out, policy)
+    save_checkpoint(cfg.run_dir, step, policy, critic, cfg.model_path, extra=extra, keep=cfg.keep_checkpoints,
+                    merged=cfg.lora_save_merged or final,
+                    also=(lambda out: ema.save(out, policy)) if ema is not None else None)

@@ -289,6 +289,28 @@ def test_ema_is_what_checkpoints_hold_and_survives_resume(tiny_model_dir, tmp_pa
         assert torch.allclose(again[n], ema2[n], atol=1e-6), n
 
 
+def test_a_checkpoint_is_complete_only_with_its_ema(tiny_model_dir, tmp_path, monkeypatch):
+    """The EMA is written before the checkpoint is marked complete: a learner killed while writing it
+    leaves a folder no resume picks (it would have resumed without the EMA it was saved with)."""
+    from learner.checkpoint import latest_checkpoint
+    from learner.ema import PolicyEMA
+    from learner.trainer import train
+
+    def killed(self, out, engine):
+        (out / "ema").mkdir(exist_ok=True)
+        raise KeyboardInterrupt("killed while writing the EMA")
+
+    monkeypatch.setattr(PolicyEMA, "save", killed)
+    run = tmp_path / "run"
+    cfg = LearnerConfig(model_path=str(tiny_model_dir), run_dir=str(run), total_steps=1, save_every=1,
+                        advantage_estimator="grpo", ema_beta=0.5, tensorboard=False).validate()
+    with pytest.raises(KeyboardInterrupt):
+        train(cfg, source=ListSource(_steps(1)))
+    assert (run / "checkpoints" / "step_1" / "deepspeed").is_dir()  # the engine's state was written ...
+    assert not (run / "checkpoints" / "step_1" / "trainer_state.json").exists()  # ... but never marked complete
+    assert latest_checkpoint(run) is None
+
+
 def test_critic_warmup_keeps_the_policy_for_its_steps(tiny_model_dir, tmp_path):
     from learner.metrics import read_metrics
     from learner.trainer import train
