@@ -146,7 +146,12 @@ class EnvReward:
         if any(x is None for x in raw):
             return [Score(None, "scorer.kinds has `env` but the rollout played no environment "
                                 "(generator.env is empty)")] * len(rollouts)
-        return check_rewards(raw, len(rollouts), "the environment")
+        out = check_rewards(raw, len(rollouts), "the environment")
+        # an OpenRLHF agent's `scores` and `extra_logs` (Rollout.env_info): passed on as a reward file's are
+        return [s if s.value is None or not r.env_info else s._replace(
+                    filter_score=r.env_info.get("filter_score"),
+                    extra={k[len("extra/"):]: v for k, v in r.env_info.items() if k.startswith("extra/")})
+                for s, r in zip(out, rollouts)]
 
 
 class RewardModel:

@@ -120,6 +120,9 @@ class Rollout(Struct):
     # is the policy's). The policy's turns are the runs of 1s. None: every token is the policy's.
     action_mask: Mask | None = None  # (T,) uint8
     env_reward: float | None = None  # an episode's environment reward (the sum of its steps'), for a scorer
+    # what an OpenRLHF agent said of the episode besides its reward (actors.envs.api.episode_info):
+    # "filter_score" (its `scores`, judged by dynamic filtering) and "extra/<name>" (its `extra_logs`)
+    env_info: Annotated[dict[str, float], Meta(max_length=64)] = {}
 
     def __post_init__(self) -> None:
         if _decoded_and_whole(self):  # (the hot path: a frame just decoded, well formed)

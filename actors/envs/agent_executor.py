@@ -27,8 +27,9 @@ instance), and the generator's episode loop (actors/envs/episodes.py) runs `play
 A return that breaks this (a missing key, a range out of bounds or overlapping, a log-prob count
 that differs from the token count), an `execute` that raises, or one that outlives
 generator.session_timeout_s fails its sample (`EnvFailure`, the message naming the file and the
-key), never the generator. `scores`, `extra_logs`, `prompt` and `label` are not carried: a
-Conveyor rollout has the leased prompt and label, and its scores come from the scorers.
+key), never the generator. `scores` and `extra_logs` travel in the rollout's `env_info` (a scorer of
+kind `env` passes them on: dynamic filtering judges the scores, the learner logs the extra logs);
+`prompt` and `label` are not carried: a Conveyor rollout has the leased prompt and label.
 
 The one instance serves every lease, but each lease's episodes run on an event loop of their own
 (`run_episodes`): an executor that keeps loop-bound objects between calls (an `asyncio.Lock`, an
@@ -47,7 +48,7 @@ from dataclasses import dataclass
 from typing import Awaitable, Callable
 
 from actors.engines.base import Completion, Sampling
-from actors.envs.api import BadReturn, EnvFailure, EnvLoadError, brief, flag, number
+from actors.envs.api import BadReturn, EnvFailure, EnvLoadError, brief, episode_info, flag, number
 from actors.envs.openrlhf_agent import AgentExecutorBase, MultiTurnAgentExecutor
 
 EXECUTE_KWARGS = ("prompt", "label", "sampling_params", "max_length", "hf_tokenizer", "llm_engine", "images")
@@ -193,6 +194,7 @@ class Played:
     versions: list[int]  # (T,)
     reward: float | None
     truncated: bool
+    info: dict[str, float]  # `scores` and `extra_logs` as Rollout.env_info (actors.envs.api.episode_info)
 
 
 def parts_of(out, calls: list[tuple[list[int], list[float], list[int]]], version: int, vocab: int | None) -> Played:
@@ -230,7 +232,8 @@ def parts_of(out, calls: list[tuple[list[int], list[float], list[int]]], version
     behav = [lp if m else 0.0 for lp, m in zip(lps, mask)]
     return Played(obs[:start], obs[start:], mask[start:], behav[start:], versions[start:],
                   None if reward is None else number(reward, "'reward'"),
-                  flag(out.get("truncated", False), "'truncated'"))
+                  flag(out.get("truncated", False), "'truncated'"),
+                  episode_info(out.get("scores"), out.get("extra_logs")))
 
 
 def _listed(x) -> list:

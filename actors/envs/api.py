@@ -9,6 +9,9 @@ functions that may block: those run in a thread of their own):
 
 `action` is the text of the policy's turn; a plain 4-tuple does as well as a StepResult, so an
 environment file need not import Conveyor. The episode's reward is the sum of its steps' rewards.
+`info` may carry OpenRLHF's `scores` (a number dynamic filtering judges instead of the reward) and
+`extra_logs` (named numbers the learner logs as `reward/extra/<name>`): the episode's are its last
+step's, carried in `Rollout.env_info` to the scorer of kind `env` (`episode_info`).
 
 How a generator drives an episode (token ids all the way: text is never re-tokenised):
 
@@ -146,6 +149,8 @@ def check_step(raw) -> StepResult:
     info = {} if info is None else info
     if not isinstance(info, dict):
         raise BadReturn(f"returned info {brief(info)}, expected a dict")
+    if info.get("scores") is not None or info.get("extra_logs"):
+        info = {**info, "env_info": episode_info(info.get("scores"), info.get("extra_logs"), "info's ")}
     return StepResult(observation, number(reward, "the reward"), flag(done, "done"), info)
 
 
@@ -218,6 +223,29 @@ def check_text(x, what: str) -> None:
         raise BadReturn(f"returned {what} as {brief(x)}, expected a str")
     if len(x) > MAX_OBSERVATION_CHARS:
         raise BadReturn(f"returned {what} of {len(x)} characters (at most {MAX_OBSERVATION_CHARS})")
+
+
+MAX_EXTRA_LOGS = 63  # (+ the score: Rollout.env_info holds at most 64)
+
+
+def episode_info(scores, extra_logs, what: str = "") -> dict[str, float]:
+    """OpenRLHF's `scores` (None: not given) and `extra_logs` of an episode as `Rollout.env_info`:
+    {"filter_score": scores, "extra/<name>": value} (buffer.rules' keys, which a scorer of kind `env`
+    passes on), each value one finite number (a one-element tensor is its item), else BadReturn."""
+    from buffer.rules import EXTRA_LOG_PREFIX, FILTER_SCORE
+
+    out = {} if scores is None else {FILTER_SCORE: number(scores, f"{what}'scores'")}
+    if extra_logs is None:
+        return out
+    if not isinstance(extra_logs, dict):
+        raise BadReturn(f"returned {what}'extra_logs' as {brief(extra_logs)}, expected a dict of numbers")
+    if len(extra_logs) > MAX_EXTRA_LOGS:
+        raise BadReturn(f"returned {len(extra_logs)} {what}'extra_logs' (at most {MAX_EXTRA_LOGS})")
+    for k, v in extra_logs.items():
+        if not isinstance(k, str) or not 0 < len(k) <= 64:
+            raise BadReturn(f"returned an {what}'extra_logs' name {brief(k)}: expected a str of 1-64 characters")
+        out[EXTRA_LOG_PREFIX + k] = number(v, f"{what}'extra_logs'[{k!r}]")
+    return out
 
 
 def number(x, what: str) -> float:

@@ -65,6 +65,7 @@ class Episode:
     turns: int = 0
     finish: str = ""  # "" while it runs; "stop" | "length"
     failure: EnvFailure | None = None
+    info: dict[str, float] = field(default_factory=dict)  # Rollout.env_info: the last step's scores and extra logs
 
     def add(self, ids, mask: int, logprobs=None, versions=None, text: str = "") -> None:
         self.ids += ids
@@ -197,6 +198,7 @@ async def _play(groups, prompt_ids, n, engine, sampling, cfg, factory, generate,
                 e.failure = res  # (counted by kind in `counts` by run_step)
                 return
             e.reward += float(res.reward)
+            e.info = (res.info or {}).get("env_info", {})  # (an OpenRLHF agent's; the last step's, as there)
             if res.done:
                 e.finish = "stop"
                 return
@@ -224,6 +226,7 @@ def fill(e: Episode, out: Played, tokenizer) -> None:
     e.texts = [tokenizer.decode(out.ids, skip_special_tokens=True)]
     e.reward, e.turns = out.reward, sum(1 for i, m in enumerate(out.mask) if m and (i == 0 or not out.mask[i - 1]))
     e.finish = "length" if out.truncated else "stop"
+    e.info = out.info
 
 
 def rollout_of(e: Episode, lease_id: int, worker_id: str) -> Rollout:
@@ -233,4 +236,5 @@ def rollout_of(e: Episode, lease_id: int, worker_id: str) -> Rollout:
         prompt_ids=np.asarray(e.prompt_ids, dtype=ID_DTYPE), completion_ids=np.asarray(e.ids, dtype=ID_DTYPE),
         behav_logprobs=np.asarray(e.logprobs, dtype=LOGPROB_DTYPE), versions=np.asarray(e.versions, dtype=ID_DTYPE),
         prompt=e.group.prompt, completion="".join(e.texts), label=e.group.label, finish_reason=e.finish,
-        worker_id=worker_id, action_mask=np.asarray(e.mask, dtype=MASK_DTYPE), env_reward=e.reward)
+        worker_id=worker_id, action_mask=np.asarray(e.mask, dtype=MASK_DTYPE), env_reward=e.reward,
+        env_info=e.info)

@@ -20,7 +20,17 @@ import types
 from contextlib import contextmanager
 
 from actors.answers import extract_boxed_answer, get_tokenizer, grade_answer
-from actors.envs.api import BadReturn, Environment, EnvLoadError, Row, StepResult, brief, check_text, flag, number
+from actors.envs.api import (
+    BadReturn,
+    Environment,
+    EnvLoadError,
+    Row,
+    StepResult,
+    brief,
+    check_text,
+    flag,
+    number,
+)
 
 log = logging.getLogger("conveyor.env")
 
@@ -199,8 +209,10 @@ class OpenRLHFAgent(Environment):
         check_text(feedback, "environment_feedback")
         self.total_reward += reward
         scores = out.get("scores", self.total_reward)
-        info = {"scores": None if scores is None else number(scores, "scores"),
-                "extra_logs": {k: _plain(v) for k, v in (out.get("extra_logs") or {}).items()}}
+        extra_logs = out.get("extra_logs") or {}
+        extra_logs = {k: _plain(v) for k, v in extra_logs.items()} if isinstance(extra_logs, dict) else extra_logs
+        # (check_step turns them into the rollout's env_info; the episode keeps its last step's, as OpenRLHF)
+        info = {"scores": None if scores is None else number(_plain(scores), "scores"), "extra_logs": extra_logs}
         if out.get("sampling_params") is not None:
             info["sampling_params"] = out["sampling_params"]  # OpenRLHF samples the next turn with them
         self.observation_text += action + feedback

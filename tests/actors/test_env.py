@@ -194,7 +194,19 @@ def test_openrlhf_agent_mistakes_are_counted_failures(tmp_path):
     assert counts == {"bad_return": 3}
     env = load_env(str(path), {"answer": {"rewards": 0.5, "environment_feedback": "", "done": False}})()
     asyncio.run(run_reset(env, Row("p"), 1.0))
-    assert asyncio.run(run_step(env, "a", 1.0)) == StepResult("", 0.5, False, {"scores": 0.5, "extra_logs": {}})
+    assert asyncio.run(run_step(env, "a", 1.0)) == StepResult("", 0.5, False, {"scores": 0.5, "extra_logs": {},
+                                                                               "env_info": {"filter_score": 0.5}})
+    # the scores and extra logs the rollout carries: numbers, named; anything else fails the sample
+    for extra, ok in (({"acc": 1.0, "len": 3}, True), ({"acc": "high"}, False), ({"": 1.0}, False),
+                      ({f"k{i}": 1.0 for i in range(64)}, False)):
+        env = load_env(str(path), {"answer": {"rewards": 0.5, "environment_feedback": "", "done": True,
+                                              "scores": 2.0, "extra_logs": extra}})()
+        asyncio.run(run_reset(env, Row("p"), 1.0))
+        res = asyncio.run(run_step(env, "a", 1.0, counts))
+        if ok:
+            assert res.info["env_info"] == {"filter_score": 2.0, "extra/acc": 1.0, "extra/len": 3.0}
+        else:
+            assert res.kind == "bad_return" and "extra_logs" in res.message, res
 
 
 # --------------------------------------------------------------------------------------------

@@ -90,13 +90,15 @@ def agent_file(tmp_path) -> Path:
 def test_the_returned_dict_becomes_the_rollouts_parts():
     # observation 10 11 | 12 13 (action) 14 (feedback) 15 (action): prompt 10 11, completion 12-15
     out = {"observation_tokens": [10, 11, 12, 13, 14, 15], "action_ranges": [(2, 4), (5, 6)],
-           "rollout_log_probs": [0.0, 0.0, -0.5, -0.25, -7.0, -1.0], "reward": 0.75, "truncated": True}
+           "rollout_log_probs": [0.0, 0.0, -0.5, -0.25, -7.0, -1.0], "reward": 0.75, "truncated": True,
+           "scores": 0.5, "extra_logs": {"turns": 2}}
     calls = [([12, 13], [-0.5, -0.25], [3, 3]), ([15], [-1.0], [4])]
     p = parts_of(out, calls, version=9, vocab=100)
     assert (p.prompt_ids, p.ids, p.mask) == ([10, 11], [12, 13, 14, 15], [1, 1, 0, 1])
     assert p.logprobs == [-0.5, -0.25, 0.0, -1.0]  # the feedback's -7 is context: 0
     assert p.versions == [3, 3, 3, 4]  # the calls' own; the feedback takes the turn's before it
     assert (p.reward, p.truncated) == (0.75, True)
+    assert p.info == {"filter_score": 0.5, "extra/turns": 2.0}  # the rollout's env_info
     # ranges that are not the engine's outputs: every token the oldest version the episode sampled with
     assert parts_of({**out, "observation_tokens": [10, 11, 12, 99, 14, 15]}, calls, 9, 100).versions == [3] * 4
     assert parts_of(out, [], version=9, vocab=100).versions == [9] * 4  # no call: the engine's version
@@ -116,6 +118,7 @@ def test_the_returned_dict_becomes_the_rollouts_parts():
     ({"observation_tokens": [10, 11, 12, 13, 14, 500]}, "'observation_tokens' holding int 500, not a token id"),
     ({"reward": "high"}, "'reward' as str"),
     ({"truncated": "no"}, "'truncated' as str"),
+    ({"extra_logs": {"acc": [1, 2]}}, r"'extra_logs'\['acc'\] as list"),
 ])
 def test_a_malformed_return_names_its_key(change, says):
     out = {"observation_tokens": [10, 11, 12, 13, 14, 15], "action_ranges": [(2, 4), (5, 6)],

@@ -399,3 +399,7 @@ def test_the_env_component_is_the_episodes_environment_reward():
     assert [s.value for s in scores] == [1.5, 0.0, None] and "non-finite" in scores[2].error
     single = EnvReward().score([make_rollout("p", "c", None)])  # a rollout that played no environment
     assert single[0].value is None and "played no environment" in single[0].error
+    # an OpenRLHF agent's scores and extra logs (Rollout.env_info) are passed on as a reward file's are
+    played[0].env_info = {"filter_score": 0.25, "extra/turns": 2.0}
+    s = EnvReward().score(played[:2])
+    assert (s[0].filter_score, s[0].extra) == (0.25, {"turns": 2.0}) and s[1].filter_score is None

@@ -53,7 +53,8 @@ def test_an_rlvr_command_line_of_openrlhf_runs_to_completion(quick_start_files, 
     save = tmp_path / "checkpoint"
     argv = [
         "--ref.num_nodes", "1", "--ref.num_gpus_per_node", "1", "--actor.num_nodes", "1",
-        "--actor.num_gpus_per_node", "2", "--ds.ring_attn_size", "2", "--vllm.num_engines", "1", "--vllm.tensor_parallel_size", "1",
+        "--actor.num_gpus_per_node", "2", "--ds.ring_attn_size", "2", "--vllm.num_engines", "1",
+        "--vllm.tensor_parallel_size", "1",
         "--actor.model_name_or_path", quick_start_files["model"], "--reward.remote_url", str(reward),
         "--data.prompt_dataset", quick_start_files["prompts"], "--data.input_key", "input",
         "--data.label_key", "label", "--ckpt.output_dir", str(save), "--ckpt.save_steps", "-1",
@@ -84,6 +85,7 @@ def test_an_rlvr_command_line_of_openrlhf_runs_to_completion(quick_start_files, 
 AGENT_FILE = '''
 import copy
 
+import torch
 from openrlhf.utils.agent import AgentExecutorBase
 
 
@@ -105,7 +107,8 @@ class AgentExecutor(AgentExecutorBase):
                 tokens, log_probs = tokens + feedback, log_probs + [0.0] * len(feedback)
         reward = float(output.text.strip() == label)
         return {"prompt": prompt, "label": label, "observation_tokens": tokens, "action_ranges": ranges,
-                "rollout_log_probs": log_probs, "reward": reward, "scores": reward, "extra_logs": {},
+                "rollout_log_probs": log_probs, "reward": reward, "scores": reward,
+                "extra_logs": {"turns": torch.tensor([2.0]), "last_len": len(output.token_ids)},
                 "truncated": output.finish_reason == "length"}
 '''
 
@@ -130,5 +133,7 @@ def test_the_async_agent_recipe_of_openrlhf_runs_to_completion(quick_start_files
     rows = run_local(argv, save)
     steps = [r for r in rows if "loss/policy" in r]
     assert [r["step"] for r in steps] == [0, 1] and all(0.0 <= r["reward/mean"] <= 1.0 for r in steps)
+    # the executor's extra_logs reach the metrics, as a reward file's do
+    assert all(r["reward/extra/turns"] == 2.0 and 1.0 <= r["reward/extra/last_len"] <= 4.0 for r in steps)
     resolved = (save / "config.yaml").read_text()
     assert f"env: {agent}" in resolved and "max_context_tokens: 48" in resolved  # every turn within max_len
