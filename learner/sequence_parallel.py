@@ -233,26 +233,17 @@ def _heads_to_seq(x: torch.Tensor, sp: SequenceParallel) -> torch.Tensor:
     return y.transpose(0, 1).reshape(B, sp.size * h, L // sp.size, D)
 
 
-class _SeqToHeads(torch.autograd.Function):
+class _Swap(torch.autograd.Function):
+    """The position split for the head split (`to_heads`) or back; each is the other's backward."""
+
     @staticmethod
-    def forward(ctx, x, sp):
-        ctx.sp = sp
-        return _seq_to_heads(x, sp)
+    def forward(ctx, x, sp, to_heads: bool):
+        ctx.sp, ctx.to_heads = sp, to_heads
+        return (_seq_to_heads if to_heads else _heads_to_seq)(x, sp)
 
     @staticmethod
     def backward(ctx, grad):
-        return _heads_to_seq(grad, ctx.sp), None
-
-
-class _HeadsToSeq(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, sp):
-        ctx.sp = sp
-        return _heads_to_seq(x, sp)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _seq_to_heads(grad, ctx.sp), None
+        return (_heads_to_seq if ctx.to_heads else _seq_to_heads)(grad, ctx.sp), None, None
 
 
 class _GatherSequence(torch.autograd.Function):
@@ -273,12 +264,12 @@ class _GatherSequence(torch.autograd.Function):
 
 def seq_to_heads(x: torch.Tensor, sp: SequenceParallel) -> torch.Tensor:
     """(B, H, l, D) of this rank's positions -> (B, H/size, L, D): every position of its heads."""
-    return _SeqToHeads.apply(x, sp)
+    return _Swap.apply(x, sp, True)
 
 
 def heads_to_seq(x: torch.Tensor, sp: SequenceParallel) -> torch.Tensor:
     """The inverse: (B, H/size, L, D) -> (B, H, l, D)."""
-    return _HeadsToSeq.apply(x, sp)
+    return _Swap.apply(x, sp, False)
 
 
 def gather_sequence(x: torch.Tensor, sp: SequenceParallel) -> torch.Tensor:

@@ -88,3 +88,26 @@ class ListSource:
 
     def close(self):
         pass
+
+
+def run_two_ranks(driver_text: str, folder, *args: str, timeout_s: float = 300.0) -> str:
+    """`driver_text` (a Python script) run as two gloo ranks by DeepSpeed's launcher, with `args`
+    after the launcher's own; asserts exit 0 and returns the combined output."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from launch.ports import free_port_block
+    from tests.helpers.procs import ROOT, subprocess_env
+
+    driver = Path(folder) / "driver.py"
+    driver.write_text(driver_text)
+    env = subprocess_env()
+    for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(k, None)
+    cmd = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", "2", "--master_port",
+           str(free_port_block(1)), str(driver), *args]
+    proc = subprocess.run(cmd, env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                          timeout=timeout_s)
+    assert proc.returncode == 0, proc.stdout[-4000:]
+    return proc.stdout

@@ -25,7 +25,7 @@ import torch
 from common.config import ConfigError
 from learner.config import LearnerConfig
 from learner.sequence_parallel import SequenceParallel
-from tests.helpers.learner import ListSource, make_group
+from tests.helpers.learner import ListSource, make_group, run_two_ranks
 
 WORKER = r'''
 import json, os, sys
@@ -154,23 +154,12 @@ def _trained(ckpt) -> dict[str, torch.Tensor]:
 def test_two_ranks_sharing_sequences_train_what_one_rank_trains(tiny_model_dir, tmp_path):
     from safetensors.torch import load_file
 
-    from launch.ports import free_port_block
     from learner.ledger import LEDGER_NAME, read_ledger
     from learner.metrics import read_metrics
     from learner.trainer import train
-    from tests.helpers.procs import ROOT, subprocess_env
 
     start = load_file(str(tiny_model_dir / "model.safetensors"))
-    driver = tmp_path / "driver.py"
-    driver.write_text(TWO_RANKS)
-    env = subprocess_env()
-    for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(k, None)
-    cmd = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", "2", "--master_port",
-           str(free_port_block(1)), str(driver), str(tiny_model_dir), str(tmp_path / "sp"), json.dumps(CASES)]
-    proc = subprocess.run(cmd, env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                          timeout=400)
-    assert proc.returncode == 0, proc.stdout[-4000:]
+    run_two_ranks(TWO_RANKS, tmp_path, str(tiny_model_dir), str(tmp_path / "sp"), json.dumps(CASES), timeout_s=400)
     for name, kw in CASES.items():
         train(LearnerConfig(model_path=str(tiny_model_dir), run_dir=str(tmp_path / "one" / name), **kw).validate(),
               source=ListSource(steps()))

@@ -19,7 +19,7 @@ from learner.batching import TrainBatch, split_evenly, to_train_batch
 from learner.config import LearnerConfig
 from learner.packing import first_fit_decreasing
 from learner.token_budget import cost, cut_by_tokens, over_budget, padded_bins, plan_micro_batches
-from tests.helpers.learner import ListSource, make_group
+from tests.helpers.learner import ListSource, make_group, run_two_ranks
 
 # ------------------------------------------------------------------------------------------------
 # the cut
@@ -377,23 +377,9 @@ for name, budget in (("count", 0), ("tokens", 20)):
 def test_two_ranks_zero3_ema_and_token_budget(tiny_model_dir, tmp_path):
     """ZeRO-3 over two ranks: the EMA's partitions gather into the HF folder, and a token cut that
     gives the ranks different needs (fillers on one) trains the same weights as the count cut."""
-    import subprocess
-    import sys
-
-    from launch.ports import free_port_block
     from learner.metrics import read_metrics
-    from tests.helpers.procs import ROOT, subprocess_env
 
-    driver = tmp_path / "driver.py"
-    driver.write_text(TWO_RANKS)
-    env = subprocess_env()
-    for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(k, None)
-    cmd = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", "2", "--master_port",
-           str(free_port_block(1)), str(driver), str(tiny_model_dir), str(tmp_path)]
-    proc = subprocess.run(cmd, env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                          timeout=240)
-    assert proc.returncode == 0, proc.stdout[-4000:]
+    run_two_ranks(TWO_RANKS, tmp_path, str(tiny_model_dir), str(tmp_path), timeout_s=240)
     count, tokens = read_metrics(tmp_path / "count")[0], read_metrics(tmp_path / "tokens")[0]
     assert count["perf/micro_batches"] == 1.0 and tokens["perf/micro_batches"] >= 6  # rank 0's longest rows alone
     assert tokens["perf/over_budget_samples"] > 0 and count["perf/over_budget_samples"] == 0
