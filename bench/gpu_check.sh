@@ -22,7 +22,9 @@
 #  9. vLLM's V2 model runner (the default on GPU in vLLM 0.33: VLLM_USE_V2_MODEL_RUNNER, read in
 #     vllm/envs.py and vllm/config/vllm.py `use_v2_model_runner`) and the V1 runner, each a short
 #     greedy generation through the project's engine (actors/engines/vllm/engine.py), both recorded;
-# 10. the demo (launch.demo, asynchronous: 20 steps; 2 in --cpu-smoke).
+# 10. sequence parallelism's split forward and gradient (tests/learner/test_sequence_parallel.py):
+#     over gloo, and over NCCL where there are 2 GPUs;
+# 11. the demo (launch.demo, asynchronous: 20 steps; 2 in --cpu-smoke).
 #
 # On a GPU every step records the peak of `nvidia-smi --query-gpu=memory.used` while it ran (the
 # engine's memory is in its own process, out of reach of torch.cuda.max_memory_allocated here).
@@ -178,6 +180,18 @@ gpu_step "vLLM V2 model runner" 300 env VLLM_USE_V2_MODEL_RUNNER=1 $PY -c "$RUNN
 gpu_step "vLLM V1 model runner" 300 env VLLM_USE_V2_MODEL_RUNNER=0 $PY -c "$RUNNER_PY" "$WORK/model" "$WORK/v1.json"
 if [ -s "$WORK/v2.json" ] && [ -s "$WORK/v1.json" ]; then
   $PY -c "$SAME_GREEDY_PY" "$WORK/v2.json" "$WORK/v1.json" >> "$LOG" 2>&1
+fi
+# sequence parallelism's all-to-all (learner.sequence_parallel): gloo on the CPU; NCCL where there are
+# two GPUs (one per rank); the split forward, its gradient and the critic equal the whole sequence's
+step "sequence parallel (gloo)" 180 $PY -m pytest -x -q tests/learner/test_sequence_parallel.py -k split_forward \
+  -p no:cacheprovider
+if [ $SMOKE = 1 ]; then
+  skip "sequence parallel (nccl)" "no GPU"
+elif [ "$GPUS" -ge 2 ]; then
+  step "sequence parallel (nccl)" 180 env CONVEYOR_SP_BACKEND=nccl $PY -m pytest -x -q \
+    tests/learner/test_sequence_parallel.py -k split_forward -p no:cacheprovider
+else
+  skip "sequence parallel (nccl)" "needs 2 GPUs, one per rank (NCCL refuses two ranks on one device); $GPUS here"
 fi
 step "demo ($STEPS steps, async)" 600 $PY -m launch.demo --learner.total_steps $STEPS --demo.warm_steps 0 \
   --demo.out "$WORK/demo"

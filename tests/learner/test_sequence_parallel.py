@@ -33,7 +33,11 @@ import torch, torch.distributed as dist
 
 rank, world, port, model_dir, out = int(sys.argv[1]), 2, sys.argv[2], sys.argv[3], sys.argv[4]
 os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
-dist.init_process_group("gloo", rank=rank, world_size=world)
+backend = os.environ.get("CONVEYOR_SP_BACKEND", "gloo")  # nccl: bench/gpu_check.sh, one GPU a rank
+device = torch.device(f"cuda:{rank}" if backend == "nccl" else "cpu")
+if device.type == "cuda":
+    torch.cuda.set_device(device)
+dist.init_process_group(backend, rank=rank, world_size=world)
 import learner.sequence_parallel as seqpar
 from learner.engine import ValueModel
 from learner.modeling import load_causal_lm, next_token_stats
@@ -51,13 +55,14 @@ sp = seqpar.SequenceParallel.create(2, rank, world)
 torch.manual_seed(0)
 gqa = LlamaForCausalLM(LlamaConfig(vocab_size=80, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
                                    num_attention_heads=4, num_key_value_heads=1, head_dim=16)).eval()
-models = {"tiny": load_causal_lm(model_dir), "gqa": gqa}
+models = {"tiny": load_causal_lm(model_dir).to(device), "gqa": gqa.to(device)}
 ids = torch.randint(4, 70, (4, 15), generator=torch.Generator().manual_seed(1))
 attn = torch.ones_like(ids)
 for b, n in enumerate([15, 9, 5, 12]):
     attn[b, n:] = 0
+ids, attn = ids.to(device), attn.to(device)
 mask = attn[:, 1:].bool()
-weights = torch.randn(mask.shape, generator=torch.Generator().manual_seed(2))
+weights = torch.randn(mask.shape, generator=torch.Generator().manual_seed(2)).to(device)
 report = {}
 for name, model in models.items():
     sp.check_model(model.config)
@@ -76,7 +81,7 @@ for name, model in models.items():
         (a, ae, ag), (b, be, bg) = out_["sp"], out_["whole"]
         report[key] = {"lp": float((a - b)[mask].abs().max()), "ent": float((ae - be)[mask].abs().max()),
                        "grad": float((ag - bg).abs().max()), "grad_norm": float(bg.norm())}
-critic = ValueModel(model_dir)
+critic = ValueModel(model_dir).to(device)
 torch.nn.init.normal_(critic.value_head.weight, std=0.1)
 packed = pack_rows(ids, attn, 20)
 v_sp = packed.unpack(sp.values(critic, packed.input_ids, packed.position_ids))
@@ -91,6 +96,7 @@ dist.destroy_process_group()
 
 
 def test_split_forward_and_gradient_equal_the_whole_sequence(tiny_model_dir, tmp_path):
+    """(CONVEYOR_SP_BACKEND=nccl runs the same on two GPUs, one a rank: bench/gpu_check.sh.)"""
     from launch.ports import free_port_block
     from tests.helpers.procs import ROOT, subprocess_env
 
