@@ -148,19 +148,15 @@ class TextScorer:
     """The reward model as the scorer loads it (actors.rewards.RewardModel), scoring token ids."""
 
     def __init__(self, cfg: RewardServerConfig):
-        from actors.rewards import RewardModel, stored_mean_std
+        from actors.rewards import RewardModel
 
         try:
-            rm = RewardModel(cfg.model, dtype=cfg.dtype, device=cfg.device, batch_size=cfg.batch_size,
-                             max_len=cfg.max_len)
-        except ValueError as e:  # (a folder that is not a one-label classifier)
+            self.rm = RewardModel(cfg.model, dtype=cfg.dtype, device=cfg.device, batch_size=cfg.batch_size,
+                                  max_len=cfg.max_len, normalize=cfg.normalize, normalize_key="serve_rm.normalize")
+        except ValueError as e:  # (a folder that is not a one-label classifier, or no stored statistics)
             raise ConfigError(f"serve_rm.model={cfg.model!r}: {e}") from None
-        self.model, self.tokenizer, self.device, self.max_len = rm.model, rm.tokenizer, rm.device, rm.max_len
-        self.pad_id = int(self.model.config.pad_token_id)
+        self.tokenizer, self.max_len = self.rm.tokenizer, self.rm.max_len
         self.tokenizing = threading.Lock()
-        self.mean, self.std = 0.0, 1.0
-        if cfg.normalize:
-            self.mean, self.std = stored_mean_std(self.model.config, cfg.model, "serve_rm.normalize")
 
     def tokenize(self, texts: list[str], special: bool) -> list[list[int]]:
         """Each text's ids, its last max_len kept (the tokenizer truncates from the left)."""
@@ -174,22 +170,10 @@ class TextScorer:
 
     def score(self, ids: list[list[int]]) -> list[float]:
         """The raw score of each sequence: the head's output at its last token."""
-        import torch
-
-        width = max(len(x) for x in ids)
-        input_ids = torch.full((len(ids), width), self.pad_id, dtype=torch.long)  # (B, T)
-        mask = torch.zeros((len(ids), width), dtype=torch.long)  # (B, T)
-        for i, x in enumerate(ids):
-            # padded on the right: each text keeps the positions it has alone, and the model pools at
-            # its last non-pad token
-            input_ids[i, :len(x)] = torch.tensor(x)
-            mask[i, :len(x)] = 1
-        with torch.no_grad():
-            out = self.model(input_ids=input_ids.to(self.device), attention_mask=mask.to(self.device))
-        return out.logits[:, 0].float().tolist()  # (B,)
+        return self.rm.raw_scores(ids)
 
     def normalized(self, raw: list[float]) -> list[float]:
-        return [(r - self.mean) / self.std for r in raw]
+        return self.rm.normalized(raw)
 
 
 @dataclass
@@ -394,7 +378,7 @@ def run(cfg: RewardServerConfig, stop: threading.Event | None = None) -> int:
         log.warning("serving on %s without a token: anyone who reaches it can use the model "
                     "(set serve_rm.token or %s)", cfg.host, TOKEN_ENV)
     log.info("reward model %s on %s (POST /get_reward, /reward; normalize=%s mean=%g std=%g; batch_size=%d, "
-             "token %s)", cfg.model, server.url, cfg.normalize, scorer.mean, scorer.std, cfg.batch_size,
+             "token %s)", cfg.model, server.url, cfg.normalize, scorer.rm.mean, scorer.rm.std, cfg.batch_size,
              "required" if token else "not required")
     mark_ready("serve_rm", url=server.url, port=server.port)
     code, t_log, last = 0, time.monotonic(), 0

@@ -162,7 +162,7 @@ class RewardModel:
     name = "reward_model"
 
     def __init__(self, path: str, dtype: str = "float32", device: str = "cpu", batch_size: int = 16,
-                 max_len: int = 1024, normalize: bool = False):
+                 max_len: int = 1024, normalize: bool = False, normalize_key: str = "scorer.reward_normalize"):
         import torch
         from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
@@ -183,22 +183,38 @@ class RewardModel:
         self.device, self.batch_size, self.max_len = device, batch_size, max_len
         # OpenRLHF's --reward.normalize_enable: (raw - mean) / std with the statistics its reward model
         # training stored in config.json
-        self.mean, self.std = stored_mean_std(self.model.config, path, "scorer.reward_normalize") if normalize \
+        self.mean, self.std = stored_mean_std(self.model.config, path, normalize_key) if normalize \
             else (0.0, 1.0)
 
     def score(self, rollouts: Sequence[Rollout]) -> list[Score]:
-        import torch
-
         texts = [r.prompt + r.completion for r in rollouts]
         out: list[Score] = []
-        with torch.no_grad():
-            for i in range(0, len(texts), self.batch_size):
-                enc = self.tokenizer(texts[i:i + self.batch_size], padding=True, truncation=True,
-                                     max_length=self.max_len, return_tensors="pt").to(self.device)
-                scores = self.model(**enc).logits[:, 0].float()  # (B,) pooled at the last real token
-                scores = (scores - self.mean) / self.std
-                out.extend(check_rewards(scores.tolist(), len(scores), "reward_model"))
+        for i in range(0, len(texts), self.batch_size):
+            ids = self.tokenizer(texts[i:i + self.batch_size], truncation=True, max_length=self.max_len)["input_ids"]
+            out.extend(check_rewards(self.normalized(self.raw_scores(ids)), len(ids), "reward_model"))
         return out
+
+    def raw_scores(self, ids: Sequence[Sequence[int]]) -> list[float]:
+        """The head's output at each sequence's last token (no normalisation): token ids in, one
+        forward for all of them (`launch.serve_rm` batches its requests' ids into it too)."""
+        import torch
+
+        width = max(len(x) for x in ids)
+        pad = int(self.model.config.pad_token_id)
+        input_ids = torch.full((len(ids), width), pad, dtype=torch.long)  # (B, T)
+        mask = torch.zeros((len(ids), width), dtype=torch.long)  # (B, T)
+        for i, x in enumerate(ids):
+            # padded on the right: each text keeps the positions it has alone, and the model pools
+            # at its last non-pad token
+            input_ids[i, :len(x)] = torch.as_tensor(list(x), dtype=torch.long)
+            mask[i, :len(x)] = 1
+        with torch.no_grad():
+            out = self.model(input_ids=input_ids.to(self.device), attention_mask=mask.to(self.device))
+        return out.logits[:, 0].float().tolist()  # (B,)
+
+    def normalized(self, raw: Sequence[float]) -> list[float]:
+        """(raw - mean) / std with the stored statistics (`normalize`), else raw."""
+        return [(r - self.mean) / self.std for r in raw]
 
 
 
