@@ -185,7 +185,12 @@ class ScorerConfig(BufferAddress):
     reward_fn: str = ""
     """Path of a Python file that defines `reward_fn(prompts, completions, labels) -> list[float]`, or
     OpenRLHF's `reward_func(queries, prompts, labels)` returning a tensor or `{"rewards", "scores",
-    "extra_logs"}` (`reward_fn` wins if both are defined; see actors/reward_files.py)."""
+    "extra_logs"}` (`reward_fn` wins if both are defined; see actors/reward_files.py); or a built-in's
+    name: `math`, `format`, `code` (actors/verifiers/). Either gets the row's other columns as
+    keyword arguments (buffer.columns)."""
+    reward_fn_options: dict[str, Any] = Field(default_factory=dict)
+    """Options for the reward file's `configure(options)`, called once when its worker starts (a
+    built-in's: see its module, e.g. `{extract: [boxed, last_number]}` for `math`)."""
     reward_fn_weight: float = Field(1.0, allow_inf_nan=False)
     """Weight of the reward function's score in `reward`."""
     reward_fn_timeout_s: float = Field(60.0, gt=0, allow_inf_nan=False)
@@ -286,10 +291,18 @@ class ScorerConfig(BufferAddress):
         return [u.strip() for u in urls if u.strip()]
 
     def problems(self) -> list[str]:
+        from actors.verifiers import resolve
+
+        errs = []
         if self.overlong_buffer_len >= self.max_new_tokens:
-            return [f"scorer.overlong_buffer_len={self.overlong_buffer_len} must be < max_new_tokens="
-                    f"{self.max_new_tokens}"]
-        return []
+            errs.append(f"scorer.overlong_buffer_len={self.overlong_buffer_len} must be < max_new_tokens="
+                        f"{self.max_new_tokens}")
+        if self.reward_fn:
+            try:
+                resolve(self.reward_fn)
+            except ValueError as e:
+                errs.append(str(e))
+        return errs
 
     def missing(self) -> list[str]:
         needs = {"reward_fn": ("reward_fn", self.reward_fn), "reward_model": ("reward_model", self.reward_model),

@@ -220,7 +220,7 @@ def make_rollouts(grant: LeaseGrant, cfg: GeneratorConfig, engine: Engine, sampl
                 behav_logprobs=np.asarray(c.logprobs, dtype=LOGPROB_DTYPE),  # (T,)
                 versions=(np.full(t, version, dtype=ID_DTYPE) if c.versions is None
                           else np.asarray(c.versions, dtype=ID_DTYPE)),  # (T,) non-decreasing
-                prompt=g.prompt, completion=c.text, label=g.label,
+                prompt=g.prompt, completion=c.text, label=g.label, columns=g.columns,
                 finish_reason=c.finish_reason, worker_id=worker_id,
             ))
             counts.tokens += t

@@ -5,7 +5,12 @@ The file defines one of
     reward_fn(prompts, completions, labels) -> list[float]                    Conveyor's
     reward_func(queries, prompts, labels, **kwargs) -> tensor | dict          OpenRLHF's (0.11)
 
-and `reward_fn` wins when it defines both. OpenRLHF's `queries` are prompt + completion text
+and `reward_fn` wins when it defines both. Either gets the dataset row's other columns as keyword
+arguments (`Rollout.columns`, buffer/prompts.py: one list per column, None for a row without it),
+those its signature names, or all with `**kwargs`; a column named like a positional argument is left
+out. A name without `/` or `.py` is a built-in (`scorer.reward_fn: math`: actors/verifiers/math.py);
+`options` (scorer.reward_fn_options) go to the file's `configure(options)` when the worker starts.
+OpenRLHF's `queries` are prompt + completion text
 (`actors.rewards.openrlhf_texts`: decoded from the token ids with special tokens kept when the scorer
 has the policy's tokenizer, `scorer.tokenizer`), and it may return `{"rewards", "scores",
 "extra_logs"}`: `scores` are what dynamic sampling judges instead of the reward, `extra_logs` named
@@ -31,6 +36,8 @@ from __future__ import annotations
 
 import atexit
 import importlib.util
+import inspect
+import json
 import multiprocessing
 import multiprocessing.connection
 import numbers
@@ -44,6 +51,7 @@ import msgpack
 
 from actors.envs.openrlhf_agent import openrlhf_standin
 from actors.rewards import Score, openrlhf_texts, read_reply
+from actors.verifiers import resolve
 
 if TYPE_CHECKING:
     from buffer.messages import Rollout
@@ -61,11 +69,11 @@ class RewardFn:
 
     name = "reward_fn"
 
-    def __init__(self, path: str, timeout_s: float = 60.0, tokenizer=None):
-        p = Path(path)
+    def __init__(self, path: str, timeout_s: float = 60.0, tokenizer=None, options: dict | None = None):
+        p = Path(resolve(path))
         if not p.is_file():
             raise FileNotFoundError(f"scorer.reward_fn={path!r}: no such file")
-        self.path, self.timeout_s, self.tokenizer = str(p), timeout_s, tokenizer
+        self.path, self.timeout_s, self.tokenizer, self.options = str(p), timeout_s, tokenizer, dict(options or {})
         self.signature = ""
         self.timeouts = 0  # calls killed for running past timeout_s
         self.crashes = 0  # calls during which the worker died
@@ -76,7 +84,7 @@ class RewardFn:
         """A fresh worker, returned once it has imported the file; raises what went wrong if it could not."""
         ctx = multiprocessing.get_context("spawn")
         self.conn, child = ctx.Pipe()
-        self.proc = ctx.Process(target=_worker, args=(self.path, child), name="reward_fn")
+        self.proc = ctx.Process(target=_worker, args=(self.path, child, self.options), name="reward_fn")
         self.proc.start()
         child.close()  # the worker holds the only other end: its exit reads as EOF here, and ours there
         # Not a daemon (the user's code may start processes of its own), so multiprocessing joins it at
@@ -128,11 +136,12 @@ class RewardFn:
 
     def _request(self, rollouts: Sequence[Rollout]) -> bytes:
         labels = [r.label for r in rollouts]
+        columns = [r.columns for r in rollouts]  # (JSON objects, read in the worker)
         if self.signature == "openrlhf":
             queries, prompts = openrlhf_texts(rollouts, self.tokenizer)
-            return msgpack.packb({"queries": queries, "prompts": prompts, "labels": labels})
+            return msgpack.packb({"queries": queries, "prompts": prompts, "labels": labels, "columns": columns})
         return msgpack.packb({"prompts": [r.prompt for r in rollouts],
-                              "completions": [r.completion for r in rollouts], "labels": labels})
+                              "completions": [r.completion for r in rollouts], "labels": labels, "columns": columns})
 
     def _call(self, rollouts: Sequence[Rollout]) -> list[Score]:
         n = len(rollouts)
@@ -171,8 +180,9 @@ class RewardFn:
         return out
 
 
-def _worker(path: str, conn) -> None:
-    """The worker process: import `path` once, then answer requests until the scorer closes the pipe."""
+def _worker(path: str, conn, options: dict | None = None) -> None:
+    """The worker process: import `path` once (and `configure(options)` it), then answer requests
+    until the scorer closes the pipe."""
     # A group of its own: a Ctrl-C to the scorer's terminal does not reach it (the scorer decides when
     # it stops), and the scorer's SIGKILL to the group reaches anything the user's code started.
     os.setpgrp()
@@ -184,6 +194,11 @@ def _worker(path: str, conn) -> None:
             spec.loader.exec_module(module)
             found = [(getattr(module, name), kind) for name, kind in FUNCTIONS.items()
                      if callable(getattr(module, name, None))]
+            if options and not callable(getattr(module, "configure", None)):
+                raise TypeError(f"scorer.reward_fn_options {sorted(options)} given, but the file defines no "
+                                f"configure(options) to take them")
+            if callable(getattr(module, "configure", None)):
+                module.configure(dict(options or {}))
         except Exception as e:
             conn.send_bytes(msgpack.packb({"error": f"{type(e).__name__}: {e}"}))
             return
@@ -193,21 +208,42 @@ def _worker(path: str, conn) -> None:
 
 
 def _serve(conn, fn, signature: str) -> None:
+    positional = ("queries", "prompts", "labels") if signature == "openrlhf" else ("prompts", "completions", "labels")
+    accepts = _keywords(fn, positional)
     while True:
         try:
             request = msgpack.unpackb(conn.recv_bytes())
         except EOFError:  # the scorer closed the pipe (or exited)
             return
         try:
-            if signature == "openrlhf":
-                raw = fn(request["queries"], request["prompts"], request["labels"])
-            else:
-                raw = fn(request["prompts"], request["completions"], request["labels"])
+            kwargs = column_kwargs(request.get("columns") or [], accepts, positional)
+            raw = fn(*(request[k] for k in positional), **kwargs)
             # tensors, arrays and their scalars as plain numbers; read_reply (in the scorer) judges them
             reply = msgpack.packb({"answer": _plain(raw)}, default=_unsendable)
         except Exception as e:  # user code: anything may come out of it
             reply = msgpack.packb({"error": f"{type(e).__name__}: {e}"})
         conn.send_bytes(reply)
+
+
+def _keywords(fn, positional: Sequence[str]):
+    """The keyword names `fn` takes besides its positional ones: a set, or None for all (**kwargs)."""
+    try:
+        params = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):
+        return set()
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params):
+        return None
+    return {p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)} - set(positional)
+
+
+def column_kwargs(columns: Sequence[str], accepts, positional: Sequence[str]) -> dict[str, list]:
+    """One list per column (None where a row lacks it) from the samples' JSON objects, the columns
+    `accepts` names (None: all) but those named like a positional argument."""
+    rows = [json.loads(c) if c else {} for c in columns]
+    names = sorted({k for r in rows for k in r} - set(positional))
+    if accepts is not None:
+        names = [k for k in names if k in accepts]
+    return {k: [r.get(k) for r in rows] for k in names}
 
 
 def _plain(x):

@@ -80,7 +80,7 @@ class Scorer:
             tokenizer = AutoTokenizer.from_pretrained(cfg.tokenizer)
         for kind in cfg.kinds:
             if kind == "reward_fn":
-                self.reward_fn = RewardFn(cfg.reward_fn, cfg.reward_fn_timeout_s, tokenizer)
+                self.reward_fn = RewardFn(cfg.reward_fn, cfg.reward_fn_timeout_s, tokenizer, cfg.reward_fn_options)
                 log.info("reward_fn %s: %s", cfg.reward_fn, "OpenRLHF's reward_func(queries, prompts, labels)"
                          if self.reward_fn.signature == "openrlhf" else "reward_fn(prompts, completions, labels)")
                 self.parts.append((self.reward_fn, cfg.reward_fn_weight))

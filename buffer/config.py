@@ -40,6 +40,10 @@ class BufferConfig(Section):
     ({"role", "content"}) that the generator renders with the tokenizer's chat template."""
     label_key: str = "label"
     """Column holding the label the reward function checks against (optional per row)."""
+    columns: list[str] | None = None
+    """The row's other columns that travel with its rollouts to the reward functions (as keyword
+    arguments: tests, metadata, difficulty, ...): None: every column but the prompt and the label;
+    []: none. At most 1 MiB of JSON per row (buffer/prompts.py)."""
     input_template: str = ""
     """A template with one `{}` a string prompt is put into (e.g. `Question: {}\nAnswer:`), before the
     chat template if there is one (OpenRLHF leaves it out with --apply_chat_template); chat-message

@@ -101,6 +101,7 @@ class PromptGroup(Struct, array_like=True):
     label: Text | None = None
     index: Id = 0  # row of the prompt dataset
     messages: Annotated[list[ChatMessage], Meta(max_length=MAX_ITEMS)] | None = None  # a chat prompt
+    columns: Text = ""  # the dataset row's other columns, a JSON object (buffer/prompts.py), "" if none
 
 
 

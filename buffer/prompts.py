@@ -11,6 +11,9 @@ folders and hub dataset folders (`split` picks the split). A row's `input_key` c
                            `Prompt.text`, what reward functions and logs see, is their contents
 
 and its `label_key` column, a string or a number, is the label a reward function checks (optional).
+The row's other columns (`columns`: which; default every one) travel with the prompt as one JSON
+object (`Prompt.columns`, at most MAX_COLUMNS_BYTES; arrays become lists) to the rollouts and from
+them to the reward functions, whose keyword arguments they are (actors/reward_files.py).
 A bad row raises `PromptsError` naming its file and line (or row).
 
 Several datasets are combined as OpenRLHF's `blending_datasets` combines them:
@@ -29,6 +32,7 @@ list is then one dataset to the buffer: `PromptOrder` shuffles it per epoch.
 
 from __future__ import annotations
 
+import json
 import random
 from dataclasses import dataclass
 from typing import Any, Sequence
@@ -51,12 +55,16 @@ class Prompt:
     label: str | None
     index: int  # position in the (mixed) dataset; blank lines are no rows
     messages: list[tuple[str, str]] | None = None  # a chat prompt: (role, content) pairs
+    columns: str = ""  # the row's other columns, a JSON object ("" when none travel)
+
+
+MAX_COLUMNS_BYTES = 1 << 20  # a row's other columns, as JSON
 
 
 def prompt_group(p: Prompt, group_id: int) -> PromptGroup:
     """The leased form of prompt `p` as group `group_id` (training and evaluation leases alike)."""
     messages = None if p.messages is None else [ChatMessage(role, content) for role, content in p.messages]
-    return PromptGroup(group_id, p.text, p.label, p.index, messages)
+    return PromptGroup(group_id, p.text, p.label, p.index, messages, p.columns)
 
 
 def prompts_from_config(cfg: BufferConfig, dataset: str | None = None, split: str | None = None,
@@ -71,16 +79,17 @@ def prompts_from_config(cfg: BufferConfig, dataset: str | None = None, split: st
         cfg.prompts if dataset is None else dataset,
         split=cfg.prompt_split if split is None else split,
         input_key=cfg.input_key, label_key=cfg.label_key, input_template=cfg.input_template,
-        probs=cfg.prompt_probs if dataset is None else None,
+        columns=cfg.columns, probs=cfg.prompt_probs if dataset is None else None,
         max_samples=cfg.max_samples if max_samples is None else max_samples,
         seed=cfg.shuffle_seed or 0)
 
 
 def load_prompts(paths: str | Sequence[str], *, split: str = "train", input_key: str = "prompt",
                  label_key: str = "label", input_template: str = "", probs: Sequence[float] | None = None,
-                 max_samples: int = 0, seed: int = 0) -> list[Prompt]:
+                 max_samples: int = 0, seed: int = 0, columns: Sequence[str] | None = None) -> list[Prompt]:
     """The prompts of one dataset or several (a list, or one comma-separated string), mixed as the
-    module docstring says; `label_key=""` reads no labels; `max_samples=0` keeps all."""
+    module docstring says; `label_key=""` reads no labels; `max_samples=0` keeps all; `columns`:
+    the other columns that travel (None: all)."""
     names = [p.strip() for p in paths.split(",")] if isinstance(paths, str) else [str(p).strip() for p in paths]
     names = [n for n in names if n]
     if not names:
@@ -97,27 +106,28 @@ def load_prompts(paths: str | Sequence[str], *, split: str = "train", input_key:
     if probs is not None and (len(probs) != len(names) or any(not p > 0 for p in probs)):
         raise PromptsError(f"prompt_probs={list(probs)} must hold one share > 0 for each of the "
                            f"{len(names)} datasets {names}")
-    sources = [_read(n, split, input_key, label_key, input_template, max_samples) for n in names]
+    sources = [_read(n, split, input_key, label_key, input_template, max_samples, columns) for n in names]
     if probs is None:
         rows = [row for source in sources for row in source]
     else:
         rows = [sources[d][i] for d, i in mix_order([len(s) for s in sources], probs, seed)]
     if max_samples:
         rows = rows[:max_samples]
-    return [Prompt(text, label, i, messages) for i, (text, label, messages) in enumerate(rows)]
+    return [Prompt(text, label, i, messages, cols) for i, (text, label, messages, cols) in enumerate(rows)]
 
 
-Row = tuple[str, "str | None", "list[tuple[str, str]] | None"]  # (text, label, messages)
+Row = tuple[str, "str | None", "list[tuple[str, str]] | None", str]  # (text, label, messages, columns)
 
 
-def _read(path: str, split: str, input_key: str, label_key: str, template: str, limit: int) -> list[Row]:
+def _read(path: str, split: str, input_key: str, label_key: str, template: str, limit: int,
+          columns: Sequence[str] | None = None) -> list[Row]:
     rows: list[Row] = []
     try:
         for where, row in iter_rows(path, split):
             if limit and len(rows) >= limit:
                 break
             try:
-                rows.append(_prompt_of(row, input_key, label_key, template))
+                rows.append(_prompt_of(row, input_key, label_key, template, columns))
             except BadRow as e:
                 raise PromptsError(f"{where}: {e}") from None
     except PromptsError:
@@ -131,8 +141,8 @@ def _read(path: str, split: str, input_key: str, label_key: str, template: str, 
     return rows
 
 
-def _prompt_of(row: Any, input_key: str, label_key: str, template: str) -> Row:
-    """(text, label, messages) of one row; BadRow saying what is wrong with it."""
+def _prompt_of(row: Any, input_key: str, label_key: str, template: str, columns: Sequence[str] | None = None) -> Row:
+    """(text, label, messages, columns) of one row; BadRow saying what is wrong with it."""
     if isinstance(row, BadRow):
         raise row
     if not isinstance(row, dict):
@@ -151,7 +161,25 @@ def _prompt_of(row: Any, input_key: str, label_key: str, template: str) -> Row:
         label = str(label)
     if label is not None and not isinstance(label, str):
         raise BadRow(f"{label_key!r} must be a string or a number, got {short(label)}")
-    return text, label, messages
+    return text, label, messages, other_columns(row, (input_key, label_key), columns)
+
+
+def other_columns(row: dict, taken: Sequence[str], columns: Sequence[str] | None) -> str:
+    """The row's columns but `taken` (or only `columns`, those it has) as a JSON object; "" if none."""
+    keep = {k: v for k, v in row.items() if k not in taken and (columns is None or k in columns)}
+    if not keep:
+        return ""
+    text = json.dumps(keep, default=_plain, ensure_ascii=False)
+    if len(text.encode()) > MAX_COLUMNS_BYTES:
+        big = max(keep, key=lambda k: len(json.dumps(keep[k], default=_plain)))
+        raise BadRow(f"its other columns take {len(text.encode())} bytes of JSON (at most {MAX_COLUMNS_BYTES}; "
+                     f"the largest: {big!r}): name the ones reward functions need in buffer.columns")
+    return text
+
+
+def _plain(x: Any) -> Any:
+    """A value json cannot write as it is: arrays and numpy scalars as lists and numbers, else its str."""
+    return x.tolist() if hasattr(x, "tolist") else str(x)
 
 
 def mix_order(sizes: Sequence[int], probs: Sequence[float], seed: int) -> list[tuple[int, int]]:

@@ -123,6 +123,7 @@ class Rollout(Struct):
     # what an OpenRLHF agent said of the episode besides its reward (actors.envs.api.episode_info):
     # "filter_score" (its `scores`, judged by dynamic filtering) and "extra/<name>" (its `extra_logs`)
     env_info: Annotated[dict[str, float], Meta(max_length=64)] = {}
+    columns: Text = ""  # the prompt's dataset row's other columns, a JSON object, for reward functions
 
     def __post_init__(self) -> None:
         if _decoded_and_whole(self):  # (the hot path: a frame just decoded, well formed)

@@ -237,4 +237,4 @@ def rollout_of(e: Episode, lease_id: int, worker_id: str) -> Rollout:
         behav_logprobs=np.asarray(e.logprobs, dtype=LOGPROB_DTYPE), versions=np.asarray(e.versions, dtype=ID_DTYPE),
         prompt=e.group.prompt, completion="".join(e.texts), label=e.group.label, finish_reason=e.finish,
         worker_id=worker_id, action_mask=np.asarray(e.mask, dtype=MASK_DTYPE), env_reward=e.reward,
-        env_info=e.info)
+        env_info=e.info, columns=e.group.columns)

@@ -344,3 +344,22 @@ def test_chat_prompts_from_parquet_and_save_to_disk_train_with_custom_keys(tiny_
         assert r.label == p["label"]
         assert list(r.prompt_ids) == tok.apply_chat_template(chat(p), add_generation_prompt=True, return_dict=False)
         assert s.reward == reward_fn([r.prompt], [r.completion], [r.label])[0]
+
+
+def test_a_rows_other_columns_travel_with_it_as_json(tmp_path):
+    from buffer.prompts import MAX_COLUMNS_BYTES, prompt_group
+
+    rows = [{"prompt": "p0", "label": "1", "tests": ["assert f() == 1"], "meta": {"level": 3}},
+            {"prompt": "p1", "label": "2"}]
+    p = write_jsonl(tmp_path / "p.jsonl", rows)
+    a, b = load_prompts(str(p))
+    assert json.loads(a.columns) == {"tests": ["assert f() == 1"], "meta": {"level": 3}} and b.columns == ""
+    assert json.loads(prompt_group(a, 7).columns) == json.loads(a.columns)  # what a lease carries
+    assert json.loads(load_prompts(str(p), columns=["meta"])[0].columns) == {"meta": {"level": 3}}
+    assert load_prompts(str(p), columns=[])[0].columns == ""
+    # Parquet: arrays and numpy scalars as JSON lists and numbers
+    write_parquet(tmp_path / "p.parquet", [{"prompt": "p", "label": "1", "tests": ["a", "b"], "n": 2}])
+    assert json.loads(load_prompts(str(tmp_path / "p.parquet"))[0].columns) == {"tests": ["a", "b"], "n": 2}
+    big = write_jsonl(tmp_path / "big.jsonl", [{"prompt": "p", "blob": "x" * (MAX_COLUMNS_BYTES + 1)}])
+    with pytest.raises(PromptsError, match=r"big.jsonl:1: its other columns take \d+ bytes.*the largest: 'blob'"):
+        load_prompts(str(big))
