@@ -188,6 +188,13 @@ class ScorerConfig(BufferAddress):
     "extra_logs"}` (`reward_fn` wins if both are defined; see actors/reward_files.py); or a built-in's
     name: `math`, `format`, `code` (actors/verifiers/). Either gets the row's other columns as
     keyword arguments (buffer.columns)."""
+    tasks: dict[str, str] = Field(default_factory=dict)
+    """Several tasks in one run: task name -> its reward file or built-in; each row picks its task by
+    the column `task_key`, and scorer.reward_fn (if set) scores rows of any other task (actors/tasks.py)."""
+    task_key: str = "task"
+    """The dataset column naming a row's task (`task`, `data_source`, ...)."""
+    task_options: dict[str, dict[str, Any]] = Field(default_factory=dict)
+    """Each task's options for its reward file's configure() (task name -> options)."""
     reward_fn_options: dict[str, Any] = Field(default_factory=dict)
     """Options for the reward file's `configure(options)`, called once when its worker starts (a
     built-in's: see its module, e.g. `{extract: [boxed, last_number]}` for `math`)."""
@@ -297,15 +304,20 @@ class ScorerConfig(BufferAddress):
         if self.overlong_buffer_len >= self.max_new_tokens:
             errs.append(f"scorer.overlong_buffer_len={self.overlong_buffer_len} must be < max_new_tokens="
                         f"{self.max_new_tokens}")
-        if self.reward_fn:
+        for key, value in ([("reward_fn", self.reward_fn)] if self.reward_fn else []) + \
+                [(f"tasks.{t}", v) for t, v in self.tasks.items()]:
             try:
-                resolve(self.reward_fn)
+                resolve(value)
             except ValueError as e:
-                errs.append(str(e))
+                errs.append(str(e).replace("scorer.reward_fn=", f"scorer.{key}="))
+        unknown = sorted(set(self.task_options) - set(self.tasks))
+        if unknown:
+            errs.append(f"scorer.task_options names {unknown}, which scorer.tasks does not ({sorted(self.tasks)})")
         return errs
 
     def missing(self) -> list[str]:
-        needs = {"reward_fn": ("reward_fn", self.reward_fn), "reward_model": ("reward_model", self.reward_model),
+        needs = {"reward_fn": ("reward_fn", self.reward_fn or self.tasks),
+                 "reward_model": ("reward_model", self.reward_model),
                  "remote": ("remote_url", self.remote_urls), "reference": ("reference", self.reference)}
         return [f"scorer.kinds includes {kind!r} but scorer.{needs[kind][0]} is empty"
                 for kind in self.kinds if kind in needs and not needs[kind][1]]

@@ -32,9 +32,10 @@ import numpy as np
 from actors.config import ScorerConfig
 from actors.reward_files import RewardFn
 from actors.rewards import EnvReward, OverlongPenalty, RemoteReward, RewardModel, Score
+from actors.tasks import TaskRewards, task_of
 from buffer.client import BufferClient
 from buffer.messages import LOGPROB_DTYPE, ProtocolError, Rollout, ScoredRollout
-from buffer.rules import EXTRA_LOG_PREFIX, FILTER_SCORE
+from buffer.rules import EXTRA_LOG_PREFIX, FILTER_SCORE, TASK
 from common.guards import WarnLimiter
 from common.ready import mark_ready
 
@@ -71,15 +72,21 @@ class Scorer:
     def __init__(self, cfg: ScorerConfig):
         self.parts: list[tuple[object, float]] = []  # (component, weight in `reward`)
         self.reference: Reference | None = None
-        self.reward_fn: RewardFn | None = None  # also kept here: it has a worker process to close
+        self.reward_fn: RewardFn | TaskRewards | None = None  # also kept here: it has worker processes to close
         self.remote: RemoteReward | None = None  # and this its connections
         tokenizer = None
         if cfg.tokenizer:  # OpenRLHF's reward texts are decoded from the token ids
             from transformers import AutoTokenizer
 
             tokenizer = AutoTokenizer.from_pretrained(cfg.tokenizer)
+        self.task_key = cfg.task_key if cfg.tasks else ""
         for kind in cfg.kinds:
-            if kind == "reward_fn":
+            if kind == "reward_fn" and cfg.tasks:  # several tasks: each row's task picks its reward
+                self.reward_fn = TaskRewards(cfg.tasks, cfg.task_key, cfg.reward_fn, cfg.reward_fn_timeout_s,
+                                             tokenizer, cfg.task_options, cfg.reward_fn_options)
+                log.info("tasks by column %r: %s", cfg.task_key, ", ".join(f"{t}: {p}" for t, p in cfg.tasks.items()))
+                self.parts.append((self.reward_fn, cfg.reward_fn_weight))
+            elif kind == "reward_fn":
                 self.reward_fn = RewardFn(cfg.reward_fn, cfg.reward_fn_timeout_s, tokenizer, cfg.reward_fn_options)
                 log.info("reward_fn %s: %s", cfg.reward_fn, "OpenRLHF's reward_func(queries, prompts, labels)"
                          if self.reward_fn.signature == "openrlhf" else "reward_fn(prompts, completions, labels)")
@@ -143,6 +150,8 @@ class Scorer:
         out = []
         for i, r in enumerate(rollouts):
             scores, errors, metadata = {}, [], {}
+            if self.task_key and (task := task_of(r, self.task_key)) is not None:
+                metadata[TASK] = task
             for name, res in results.items():
                 s = res[i]
                 if s.value is None:

@@ -19,6 +19,8 @@ reward is at least `eval.pass_threshold`: for a 0/1 reward, when it is right):
     eval/reward_mean   mean reward over samples
     eval/k, eval/prompts, eval/failed_prompts (given up, or scoring failed: left out of the above),
     eval/response_tokens_mean, eval/truncated_frac, eval/seconds (from the round's opening)
+    eval/<task>/pass@1, pass@k, reward_mean, prompts   the same over each task's prompts, when the
+                       rows name tasks (scorer.tasks, actors/tasks.py)
 
 A buffer restarted mid-round forgets it; the learner's next request opens it again.
 """
@@ -34,6 +36,7 @@ from buffer.config import BufferConfig, EvalConfig
 from buffer.groups import RequestError
 from buffer.messages import EvalReport, LeaseGrant, ScoredRollout, Wait
 from buffer.prompts import Prompt, prompt_group, prompts_from_config
+from buffer.rules import TASK
 
 EVAL_GROUP_BASE = 1 << 40  # training group ids count from 0 and never get here
 EVAL_LEASE_BASE = 1 << 40  # nor do training lease ids
@@ -233,7 +236,21 @@ def summarise(r: Round, threshold: float, seconds: float) -> dict[str, float]:
     samples = [s for g in scored for s in g.samples.values()]
     n = max(len(samples), 1)
     lengths = [len(s.rollout.completion_ids) for s in samples]
-    return {
+    by_task: dict[str, list] = {}
+    for g in scored:
+        task = next((s.metadata.get(TASK) for s in g.samples.values()), None)
+        if isinstance(task, str):
+            by_task.setdefault(task, []).append(g)
+    per_task = {}
+    for task, groups in sorted(by_task.items()):
+        ss = [s for g in groups for s in g.samples.values()]
+        per_task.update({
+            f"eval/{task}/pass@1": sum(s.reward >= threshold for s in ss) / max(len(ss), 1),
+            f"eval/{task}/pass@k": sum(any(s.reward >= threshold for s in g.samples.values()) for g in groups)
+            / len(groups),
+            f"eval/{task}/reward_mean": sum(s.reward for s in ss) / max(len(ss), 1),
+            f"eval/{task}/prompts": float(len(groups))})
+    return per_task | {
         "eval/pass@1": sum(s.reward >= threshold for s in samples) / n,
         "eval/pass@k": (sum(any(s.reward >= threshold for s in g.samples.values()) for g in scored)
                         / max(len(scored), 1)),

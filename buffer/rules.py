@@ -38,6 +38,7 @@ REWARD_TOL = 1e-6  # rewards this close (relative to their size, at least 1) cou
 # Names in `ScoredRollout.metadata` a scorer fills from OpenRLHF-style reward answers:
 FILTER_SCORE = "filter_score"  # what dynamic sampling judges instead of the sample's reward (OpenRLHF's `scores`)
 EXTRA_LOG_PREFIX = "extra/"  # + name: a number the learner logs as its per-step mean (OpenRLHF's `extra_logs`)
+TASK = "task"  # the task the sample's prompt row named (actors/tasks.py): metrics per task
 
 
 def filter_score(metadata: dict) -> float | None:

@@ -255,6 +255,9 @@ def finish(run: Run, explicit: dict | None = None, paths: bool = True) -> None:
     if l.eval_every and l.eval_every % l.sync_every:
         errors.append(f"eval.every={l.eval_every} must be a multiple of learner.sync_every={l.sync_every}: the "
                       f"generators only ever hold the versions the learner publishes")
+    if s.tasks and b.columns is not None and s.task_key not in b.columns:
+        errors.append(f"scorer.tasks picks each row's reward by its column {s.task_key!r} (scorer.task_key), "
+                      f"but buffer.columns={b.columns} does not carry it to the scorers")
     shares = r.learner_ranks // l.sequence_parallel  # (a sequence-parallel group trains one share)
     if r.learner_ranks % l.sequence_parallel:
         errors.append(f"learner.sequence_parallel={l.sequence_parallel} does not divide run.learner_ranks="

@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from buffer.messages import Batch, ScoredRollout
-from buffer.rules import EXTRA_LOG_PREFIX
+from buffer.rules import EXTRA_LOG_PREFIX, TASK
 from learner.modeling import pad_sequences
 from learner.packing import PackedRows, pack_rows
 
@@ -162,7 +162,26 @@ def score_stats(batch: Batch) -> dict[str, float]:
         for k, v in s.metadata.items():
             if k.startswith(EXTRA_LOG_PREFIX) and isinstance(v, (int, float)) and not isinstance(v, bool):
                 extra.setdefault(k, []).append(float(v))
-    return out | {f"reward/{k}": sum(v) / len(v) for k, v in sorted(extra.items())}
+    return out | {f"reward/{k}": sum(v) / len(v) for k, v in sorted(extra.items())} | task_stats(batch.scored)
+
+
+def task_stats(scored) -> dict[str, float]:
+    """Per task (`metadata["task"]`, actors/tasks.py), over one share's samples of it: the mean reward,
+    the pass rate (the share with a reward above 0), the mean completion length and the task's share
+    of the samples, as `task/<name>/...` (keys that differ between ranks: learner/metrics.py `VARYING`)."""
+    by: dict[str, list] = {}
+    for s in scored:
+        task = s.metadata.get(TASK)
+        if isinstance(task, str):
+            by.setdefault(task, []).append(s)
+    out = {}
+    for task, ss in sorted(by.items()):
+        n = len(ss)
+        out.update({f"task/{task}/reward_mean": sum(s.reward for s in ss) / n,
+                    f"task/{task}/pass_rate": sum(s.reward > 0 for s in ss) / n,
+                    f"task/{task}/completion_len": sum(len(s.rollout.completion_ids) for s in ss) / n,
+                    f"task/{task}/share": n / len(scored)})
+    return out
 
 
 def buffer_stats(batch: Batch) -> dict[str, float]:

@@ -20,7 +20,7 @@ from typing import Any
 SUMMED = ("perf/tokens", "perf/samples")
 # key prefixes a rank may lack (the extra logs its share's reward answers carried): the mean over the ranks that
 # have each, gathered as objects, in a step whose ranks have any
-VARYING = ("reward/extra/",)
+VARYING = ("reward/extra/", "task/")
 _RANKS_WITH_VARYING = "_ranks_with_varying"
 
 

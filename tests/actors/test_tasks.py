@@ -1,0 +1,91 @@
+"""Several tasks in one run (actors/tasks.py): each row's task column picks its reward function, the
+task reaches the sample's metadata, and the learner and the evaluation report per task."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from actors.config import ScorerConfig
+from actors.scorer import Scorer
+from actors.tasks import task_of
+from common.config import ConfigError
+from tests.helpers.scoring import make_rollout
+
+EXACT = ("def reward_fn(prompts, completions, labels):\n"
+         "    return [float(c.strip() == l) for c, l in zip(completions, labels)]\n")
+LENGTH = "def reward_fn(prompts, completions, labels):\n    return [len(c) / 10 for c in completions]\n"
+
+
+def rollout(i: int, completion: str, label: str, task) -> object:
+    r = make_rollout(f"p{i}", completion, label, group_id=i)
+    r.columns = json.dumps({"task": task, "level": i}) if task is not None else ""
+    return r
+
+
+def test_each_rows_task_picks_its_reward_and_is_in_its_metadata(tmp_path):
+    (tmp_path / "exact.py").write_text(EXACT)
+    (tmp_path / "length.py").write_text(LENGTH)
+    cfg = ScorerConfig(kinds=["reward_fn"], tasks={"arith": str(tmp_path / "exact.py"),
+                                                   "essay": str(tmp_path / "length.py")}).validate()
+    scorer = Scorer(cfg)
+    try:
+        batch = [rollout(0, "4", "4", "arith"), rollout(1, "hello", "x", "essay"), rollout(2, "5", "4", "arith"),
+                 rollout(3, "4", "4", "poetry"), rollout(4, "4", "4", None)]
+        out = scorer.score(batch)
+    finally:
+        scorer.close()
+    assert [s.reward for s in out[:3]] == [1.0, 0.5, 0.0]
+    assert [s.metadata.get("task") for s in out] == ["arith", "essay", "arith", "poetry", None]
+    # a task no reward is named for (no default) fails its sample, saying why
+    assert out[3].failed and "task 'poetry' (column 'task') has no reward: scorer.tasks names arith, essay" \
+        in out[3].error
+    assert out[4].failed and "task None" in out[4].error
+
+
+def test_the_default_reward_scores_the_other_tasks_and_options_reach_each_task(tmp_path):
+    (tmp_path / "exact.py").write_text(EXACT)
+    (tmp_path / "scaled.py").write_text("S = 1.0\n\ndef configure(o):\n    global S\n    S = o['scale']\n\n"
+                                        "def reward_fn(prompts, completions, labels):\n    return [S] * len(prompts)\n")
+    cfg = ScorerConfig(kinds=["reward_fn"], task_key="source", reward_fn=str(tmp_path / "exact.py"),
+                       tasks={"a": str(tmp_path / "scaled.py")}, task_options={"a": {"scale": 3.0}}).validate()
+    scorer = Scorer(cfg)
+    try:
+        batch = [make_rollout("p", "4", "4"), make_rollout("p", "4", "4")]
+        batch[0].columns = json.dumps({"source": "a"})
+        out = scorer.score(batch)
+    finally:
+        scorer.close()
+    assert [s.reward for s in out] == [3.0, 1.0] and out[0].metadata["task"] == "a" and "task" not in out[1].metadata
+
+
+def test_task_config_errors_name_the_key():
+    with pytest.raises(ConfigError, match=r"scorer.tasks.b='nosuch' is neither a file nor a built-in"):
+        ScorerConfig(tasks={"b": "nosuch"}).validate()
+    with pytest.raises(ConfigError, match=r"task_options names \['c'\], which scorer.tasks does not"):
+        ScorerConfig(tasks={"b": "math"}, task_options={"c": {}}).validate()
+    assert task_of(make_rollout("p", "c", None), "task") is None
+
+
+def test_learner_and_evaluation_metrics_per_task():
+    from buffer.eval import EvalGroup, Round, summarise
+    from buffer.messages import ScoredRollout
+    from buffer.prompts import Prompt
+    from learner.batching import task_stats
+
+    scored = [ScoredRollout(make_rollout("p", "abcd", "x"), reward=r, metadata={"task": t})
+              for r, t in [(1.0, "a"), (0.0, "a"), (0.5, "b"), (0.0, "b"), (0.0, "b")]]
+    stats = task_stats(scored)
+    assert stats["task/a/reward_mean"] == 0.5 and stats["task/a/pass_rate"] == 0.5 and stats["task/a/share"] == 0.4
+    assert stats["task/b/pass_rate"] == pytest.approx(1 / 3) and stats["task/b/completion_len"] == 5.0  # 4 + end
+    # the evaluation: each task's prompts (groups of 2 samples) on their own
+    groups = {}
+    for g, (task, rewards) in enumerate([("a", [1.0, 0.0]), ("a", [0.0, 0.0]), ("b", [1.0, 1.0])]):
+        groups[g] = EvalGroup(Prompt(f"p{g}", None, g), g, samples={
+            i: ScoredRollout(make_rollout("p", "c", None), reward=r, metadata={"task": task})
+            for i, r in enumerate(rewards)})
+    values = summarise(Round(version=1, groups=groups, opened_at=0.0, k=2), threshold=1.0, seconds=1.0)
+    assert (values["eval/a/pass@1"], values["eval/a/pass@k"], values["eval/a/prompts"]) == (0.25, 0.5, 2.0)
+    assert (values["eval/b/pass@1"], values["eval/b/reward_mean"]) == (1.0, 1.0)
+    assert values["eval/pass@1"] == 0.5  # over every task, as before
