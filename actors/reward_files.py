@@ -43,6 +43,7 @@ import multiprocessing.connection
 import numbers
 import os
 import signal
+import sys
 from contextlib import nullcontext
 from pathlib import Path
 from typing import TYPE_CHECKING, Sequence
@@ -191,6 +192,7 @@ def _worker(path: str, conn, options: dict | None = None) -> None:
         try:
             spec = importlib.util.spec_from_file_location(f"conveyor_reward_{p.stem}", p)
             module = importlib.util.module_from_spec(spec)
+            sys.modules[spec.name] = module  # (dataclasses and pickling look their module up by name)
             spec.loader.exec_module(module)
             found = [(getattr(module, name), kind) for name, kind in FUNCTIONS.items()
                      if callable(getattr(module, name, None))]
