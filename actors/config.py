@@ -14,7 +14,7 @@ from common.moved import current_name
 from weight_sync.config import WeightSyncAddress
 
 ENGINES = ("vllm", "transformers")
-SCORER_KINDS = ("reward_fn", "reward_model", "remote", "reference", "env")
+SCORER_KINDS = ("reward_fn", "reward_model", "remote", "reference", "env", "teacher")
 Dtype = Literal["float32", "bfloat16", "float16"]
 
 
@@ -245,6 +245,10 @@ class ScorerConfig(BufferAddress):
 
     reference: str = ""
     """The frozen reference model's folder (usually the policy's initial weights)."""
+    teacher: str = ""
+    """On-policy distillation: the teacher model's folder (kind `teacher`); its log-probs of the
+    student's sampled tokens travel as `teacher_logprobs` to the learner (learner.distill_coef). It
+    must share the policy's tokenizer (checked at start)."""
 
     overlong_buffer_len: int = Field(0, ge=0)
     """DAPO's soft overlong punishment: a completion longer than max_new_tokens - overlong_buffer_len
@@ -318,6 +322,36 @@ class ScorerConfig(BufferAddress):
     def missing(self) -> list[str]:
         needs = {"reward_fn": ("reward_fn", self.reward_fn or self.tasks),
                  "reward_model": ("reward_model", self.reward_model),
-                 "remote": ("remote_url", self.remote_urls), "reference": ("reference", self.reference)}
+                 "remote": ("remote_url", self.remote_urls), "reference": ("reference", self.reference),
+                 "teacher": ("teacher", self.teacher)}
         return [f"scorer.kinds includes {kind!r} but scorer.{needs[kind][0]} is empty"
                 for kind in self.kinds if kind in needs and not needs[kind][1]]
+
+
+def tokenizer_mismatch(student: str, teacher: str) -> str:
+    """Why `teacher`'s tokenizer is not `student`'s ("" when they are the same): the vocabulary and
+    added tokens of their tokenizer.json, else their config.json vocab_size. Light (json only)."""
+    import json
+    from pathlib import Path
+
+    def vocab(folder: str):
+        p = Path(folder) / "tokenizer.json"
+        if not p.is_file():
+            return None
+        tok = json.loads(p.read_text())
+        return tok.get("model", {}).get("vocab"), [(t.get("id"), t.get("content")) for t in tok.get("added_tokens", [])]
+
+    a, b = vocab(student), vocab(teacher)
+    if a is not None and b is not None:
+        if a[0] != b[0]:
+            return f"their vocabularies differ ({len(a[0] or {})} and {len(b[0] or {})} entries)"
+        return "" if a[1] == b[1] else "their added (special) tokens differ"
+
+    def size(folder: str):
+        p = Path(folder) / "config.json"
+        return json.loads(p.read_text()).get("vocab_size") if p.is_file() else None
+
+    sa, sb = size(student), size(teacher)
+    if sa is None or sb is None or sa != sb:
+        return f"no tokenizer.json to compare, and config.json vocab_size {sa} vs {sb}"
+    return ""

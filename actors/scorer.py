@@ -2,7 +2,8 @@
 
 `Scorer.score` does the work for one message of rollouts: every configured reward component scores
 every rollout (`scores[name]`), `reward` is their weighted sum, and a reference model adds
-`ref_logprobs`. With `scorer.overlong_buffer_len` > 0, DAPO's soft overlong punishment is one more
+`ref_logprobs`, and a teacher model (on-policy distillation) `teacher_logprobs`, computed the same
+way. With `scorer.overlong_buffer_len` > 0, DAPO's soft overlong punishment is one more
 component, `scores["overlong"]` (weight 1). A sample any component failed on is sent with
 `failed=True` and the reasons in `error`: the buffer drops its group and counts it, so a bad reward
 function never stalls a run. The reward function runs in a worker process (actors/reward_files.py): one
@@ -72,6 +73,7 @@ class Scorer:
     def __init__(self, cfg: ScorerConfig):
         self.parts: list[tuple[object, float]] = []  # (component, weight in `reward`)
         self.reference: Reference | None = None
+        self.teacher: Reference | None = None  # (a teacher is a reference of another model)
         self.reward_fn: RewardFn | TaskRewards | None = None  # also kept here: it has worker processes to close
         self.remote: RemoteReward | None = None  # and this its connections
         tokenizer = None
@@ -102,6 +104,8 @@ class Scorer:
                 self.parts.append((self.remote, cfg.remote_weight))
             elif kind == "reference":
                 self.reference = Reference(cfg.reference, cfg.dtype, cfg.device, cfg.batch_size)
+            elif kind == "teacher":
+                self.teacher = Reference(cfg.teacher, cfg.dtype, cfg.device, cfg.batch_size)
             elif kind == "env":
                 self.parts.append((EnvReward(), 1.0))
             else:
@@ -143,10 +147,13 @@ class Scorer:
         results = {comp.name: self._component(comp.name, lambda c=comp: c.score(rollouts), n)
                    for comp, _ in self.parts}
         ref: list = [None] * n
-        if self.reference is not None:
-            got = self._component("reference", lambda: self.reference.logprobs(rollouts), n)
-            ref = [None if isinstance(x, Score) else x for x in got]
-            results["reference"] = [x if isinstance(x, Score) else Score(0.0) for x in got]
+        teacher: list = [None] * n
+        for name, model in (("reference", self.reference), ("teacher", self.teacher)):
+            if model is not None:
+                got = self._component(name, lambda m=model: m.logprobs(rollouts), n)
+                lps = [None if isinstance(x, Score) else x for x in got]
+                ref, teacher = (lps, teacher) if name == "reference" else (ref, lps)
+                results[name] = [x if isinstance(x, Score) else Score(0.0) for x in got]
         out = []
         for i, r in enumerate(rollouts):
             scores, errors, metadata = {}, [], {}
@@ -158,12 +165,13 @@ class Scorer:
                     errors.append(f"{name}: {s.error}")
                     self.failures[name] += 1
                     self.limited.warn(name, f"group {r.group_id} sample {r.sample_index}: {name}: {s.error}")
-                elif name != "reference":
+                elif name not in ("reference", "teacher"):
                     scores[name] = s.value
                     metadata.update(_openrlhf_extras(s, metadata))
             reward = 0.0 if errors else sum(w * scores[c.name] for c, w in self.parts)
             out.append(ScoredRollout(r, reward=reward, scores=scores, ref_logprobs=ref[i],
-                                     failed=bool(errors), error="; ".join(errors), metadata=metadata))
+                                     failed=bool(errors), error="; ".join(errors), metadata=metadata,
+                                     teacher_logprobs=teacher[i]))
         self.scored += n
         self.failed += sum(s.failed for s in out)
         return out

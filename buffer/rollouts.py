@@ -166,14 +166,15 @@ class ScoredRollout(Struct):
     failed: bool = False  # scoring failed; the buffer drops the group and counts it
     error: Text = ""
     metadata: Scalars = {}  # scalars only
+    teacher_logprobs: LogProbs | None = None  # (T,) float32 under a teacher model (on-policy distillation)
 
     def __post_init__(self) -> None:
         # a failed sample may carry a non-finite reward (that may be why it failed)
         if not self.failed and not math.isfinite(self.reward):
             raise ProtocolError("reward", f"not finite ({self.reward})")
-        if self.ref_logprobs is not None:
+        if self.ref_logprobs is not None or self.teacher_logprobs is not None:
             as_arrays(self)
-            _same_length(self, ("ref_logprobs",), len(self.rollout.completion_ids))
+            _same_length(self, ("ref_logprobs", "teacher_logprobs"), len(self.rollout.completion_ids))
 
 
 # `check_scored`'s types: Rollout's and ScoredRollout's fields, constraints and checks, the packed
@@ -195,7 +196,7 @@ class CheckedScored(ScoredRollout):
     rollout: _CheckedRollout
 
     def __post_init__(self) -> None:
-        ref = self.ref_logprobs
-        if (not self.failed and not math.isfinite(self.reward)) or (
-                ref is not None and ref.nbytes != self.rollout.completion_ids.nbytes // _ID * _LP):
+        n = self.rollout.completion_ids.nbytes // _ID * _LP
+        if (not self.failed and not math.isfinite(self.reward)) or any(
+                lp is not None and lp.nbytes != n for lp in (self.ref_logprobs, self.teacher_logprobs)):
             raise _Refused

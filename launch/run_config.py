@@ -255,6 +255,16 @@ def finish(run: Run, explicit: dict | None = None, paths: bool = True) -> None:
     if l.eval_every and l.eval_every % l.sync_every:
         errors.append(f"eval.every={l.eval_every} must be a multiple of learner.sync_every={l.sync_every}: the "
                       f"generators only ever hold the versions the learner publishes")
+    if ("teacher" in s.kinds) != (l.distill_coef > 0):
+        errors.append(f"on-policy distillation needs both a teacher scorer and learner.distill_coef > 0 "
+                      f"(scorer.kinds={s.kinds}, learner.distill_coef={l.distill_coef})")
+    elif "teacher" in s.kinds and paths and s.teacher and l.model_path:
+        from actors.config import tokenizer_mismatch
+
+        why = tokenizer_mismatch(l.model_path, s.teacher)
+        if why:
+            errors.append(f"scorer.teacher={s.teacher!r} does not share the policy's tokenizer (learner.model_path="
+                          f"{l.model_path!r}): {why}; distillation compares their log-probs token by token")
     if s.tasks and b.columns is not None and s.task_key not in b.columns:
         errors.append(f"scorer.tasks picks each row's reward by its column {s.task_key!r} (scorer.task_key), "
                       f"but buffer.columns={b.columns} does not carry it to the scorers")

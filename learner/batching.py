@@ -35,6 +35,7 @@ class TrainBatch:
     group_ids: torch.Tensor  # (B,) long
     truncated: torch.Tensor  # (B,) bool, the generator stopped at its length limit (finish_reason "length")
     ref_logprobs: torch.Tensor | None = None  # (B, T) float32 under the reference, when scored
+    teacher_logprobs: torch.Tensor | None = None  # (B, T) float32 under a teacher, when scored
     # ---- filled in by the trainer -------------------------------------------------------------
     prox_logprobs: torch.Tensor | None = None  # (B, T) log pi_old, no grad
     old_values: torch.Tensor | None = None  # (B, T) critic at the start of the step
@@ -100,8 +101,10 @@ def to_train_batch(scored: list[ScoredRollout], pad_id: int = 0) -> TrainBatch:
         completions.append(r.completion_ids)
     input_ids, attention_mask, completion_mask = pad_sequences(prompts, completions, pad_id)
     has_ref = [s.ref_logprobs is not None for s in scored]
-    if any(has_ref) and not all(has_ref):
-        raise ValueError(f"{sum(has_ref)} of {len(scored)} rollouts carry ref_logprobs: all or none must")
+    has_teacher = [s.teacher_logprobs is not None for s in scored]
+    for name, has in (("ref_logprobs", has_ref), ("teacher_logprobs", has_teacher)):
+        if any(has) and not all(has):
+            raise ValueError(f"{sum(has)} of {len(scored)} rollouts carry {name}: all or none must")
     return TrainBatch(
         input_ids=input_ids,
         attention_mask=attention_mask,
@@ -116,6 +119,8 @@ def to_train_batch(scored: list[ScoredRollout], pad_id: int = 0) -> TrainBatch:
         truncated=torch.tensor([s.rollout.finish_reason == "length" for s in scored], dtype=torch.bool),
         ref_logprobs=_scatter([s.ref_logprobs for s in scored], completion_mask, 0.0, torch.float32)
         if all(has_ref) else None,
+        teacher_logprobs=_scatter([s.teacher_logprobs for s in scored], completion_mask, 0.0, torch.float32)
+        if all(has_teacher) else None,
     )
 
 

@@ -209,6 +209,10 @@ class LearnerConfig(OptimConfig, WeightSyncAddress, BufferAddress):
     decreasing into rows as long as the mini-batch's longest sequence; position ids restart per
     sequence, attention stays within it); losses and gradients equal the padded ones within float
     rounding. OpenRLHF's packing_samples. (The reference scorer always packs.)"""
+    distill_coef: float = Field(0.0, ge=0)
+    """On-policy distillation: each completion token's advantage gains distill_coef x (log teacher -
+    log pi_old) of its sampled token, the per-token reverse KL to the teacher (needs teacher_logprobs
+    from a scorer of kind `teacher`); with no reward (or beside one). 0: off."""
     sequence_parallel: int = Field(1, ge=1)
     """Ranks sharing each sequence (DeepSpeed-Ulysses: each runs a slice of the positions, attention
     swaps the slices for heads with an all-to-all): run.learner_ranks / sequence_parallel groups

@@ -317,6 +317,7 @@ def prepare_step(cfg: LearnerConfig, policy, critic, tb: TrainBatch, step: int, 
     if tb.ref_logprobs is not None:
         kl_ref = kl_penalty(tb.prox_logprobs, tb.ref_logprobs, cfg.kl_estimator) * mask  # (B, T)
     tb.advantages, tb.returns = compute_advantages(cfg, tb, kl_ref, sum_fn=all_reduce_sum if world > 1 else None)
+    distill = distill_advantages(cfg, tb, mask, step)
 
     truncated_frac = float(tb.truncated.float().mean())
     return {
@@ -333,7 +334,25 @@ def prepare_step(cfg: LearnerConfig, policy, critic, tb: TrainBatch, step: int, 
         "overlong/truncated_frac": truncated_frac,
         "overlong/filtered_frac": truncated_frac if cfg.overlong_filter else 0.0,
         **{f"policy/{k}": v for k, v in behav.items()},
+        **distill,
     }
+
+
+def distill_advantages(cfg: LearnerConfig, tb: TrainBatch, mask: torch.Tensor, step: int) -> dict[str, float]:
+    """On-policy distillation: adds distill_coef x (log teacher - log pi_old) to each sampled token's
+    advantage, the negative per-token reverse KL of the student to the teacher (one sample, no
+    discount), whose policy gradient lowers KL(pi || teacher) on the student's own samples (on-policy
+    distillation, Agarwal et al. 2024, "GKD"; the per-token form as Thinking Machines' "On-Policy
+    Distillation", 2025, uses it). Returns its metrics ({} when off)."""
+    if not cfg.distill_coef:
+        return {}
+    if tb.teacher_logprobs is None:
+        raise ValueError(f"learner.distill_coef={cfg.distill_coef} needs teacher_logprobs, but step {step}'s "
+                         f"rollouts carry none: run a scorer of kind `teacher` (scorer.teacher)")
+    gap = (tb.teacher_logprobs - tb.prox_logprobs) * mask  # (B, T): log teacher - log pi_old
+    tb.advantages = tb.advantages + cfg.distill_coef * gap
+    return {"distill/reverse_kl": float(masked_mean(-gap, mask)),
+            "distill/advantage_mean": float(masked_mean(cfg.distill_coef * gap, mask))}
 
 
 def policy_micro_loss(cfg: LearnerConfig, policy, mb: TrainBatch, packed: PackedRows | None,
