@@ -14,7 +14,7 @@ from common.moved import current_name
 from weight_sync.config import WeightSyncAddress
 
 ENGINES = ("vllm", "transformers")
-SCORER_KINDS = ("reward_fn", "reward_model", "remote", "reference", "env", "teacher")
+SCORER_KINDS = ("reward_fn", "reward_model", "remote", "reference", "env", "teacher", "judge")
 Dtype = Literal["float32", "bfloat16", "float16"]
 
 
@@ -245,6 +245,29 @@ class ScorerConfig(BufferAddress):
 
     reference: str = ""
     """The frozen reference model's folder (usually the policy's initial weights)."""
+    judge_url: str = ""
+    """An LLM judge (kind `judge`, actors/judge.py): an OpenAI-compatible base URL (`http://host:8000/v1`:
+    a vLLM server, a hosted API, the generator's own endpoint) asked to grade each prompt + response."""
+    judge_model: str = ""
+    """The judge's model name; empty: the first id its `/models` lists."""
+    judge_template: str = ""
+    """The rubric, with `{prompt}`, `{response}` and optionally `{label}`; the judge's answer must end
+    with `Score: N` (0..judge_max_score). Empty: a 0-10 helpfulness and correctness rubric."""
+    judge_max_score: float = Field(10.0, gt=0, allow_inf_nan=False)
+    """The grade's top; the reward is grade / judge_max_score."""
+    judge_weight: float = Field(1.0, allow_inf_nan=False)
+    """Weight of the judge's reward in `reward`."""
+    judge_timeout_s: float = Field(60.0, gt=0)
+    """One request waits this long."""
+    judge_retries: int = Field(3, ge=1)
+    """Attempts per sample (a timeout, a 5xx or 429, an answer without a grade) before it fails."""
+    judge_concurrency: int = Field(8, ge=1)
+    """Requests in flight at once (one conversation per request)."""
+    judge_max_tokens: int = Field(256, ge=1)
+    """The judge's answer length."""
+    judge_token: str = ""
+    """A bearer token for the judge's endpoint (never written to config.yaml); empty: the environment's
+    CONVEYOR_JUDGE_TOKEN, if set."""
     teacher: str = ""
     """On-policy distillation: the teacher model's folder (kind `teacher`); its log-probs of the
     student's sampled tokens travel as `teacher_logprobs` to the learner (learner.distill_coef). It
@@ -314,6 +337,15 @@ class ScorerConfig(BufferAddress):
                 resolve(value)
             except ValueError as e:
                 errs.append(str(e).replace("scorer.reward_fn=", f"scorer.{key}="))
+        if self.judge_url and not self.judge_url.startswith(("http://", "https://")):
+            errs.append(f"scorer.judge_url={self.judge_url!r} must be an http(s) URL (an OpenAI-compatible base)")
+        if self.judge_template:
+            from actors.judge import check_template
+
+            try:
+                check_template(self.judge_template)
+            except ValueError as e:
+                errs.append(str(e))
         unknown = sorted(set(self.task_options) - set(self.tasks))
         if unknown:
             errs.append(f"scorer.task_options names {unknown}, which scorer.tasks does not ({sorted(self.tasks)})")
@@ -323,7 +355,7 @@ class ScorerConfig(BufferAddress):
         needs = {"reward_fn": ("reward_fn", self.reward_fn or self.tasks),
                  "reward_model": ("reward_model", self.reward_model),
                  "remote": ("remote_url", self.remote_urls), "reference": ("reference", self.reference),
-                 "teacher": ("teacher", self.teacher)}
+                 "teacher": ("teacher", self.teacher), "judge": ("judge_url", self.judge_url)}
         return [f"scorer.kinds includes {kind!r} but scorer.{needs[kind][0]} is empty"
                 for kind in self.kinds if kind in needs and not needs[kind][1]]
 

@@ -1,8 +1,8 @@
 """An LLM as judge: a reward component (`scores["judge"]`) that asks a chat model to grade each
 completion against a rubric and reads the grade from its answer.
 
-The judge is any OpenAI-compatible chat endpoint (vLLM's `vllm serve`, SGLang, a hosted API, the
-generator's own endpoint, actors/agents/openai_server.py). For each rollout:
+The judge is any OpenAI-compatible chat endpoint (vLLM's `vllm serve`, SGLang, a hosted API). For
+each rollout:
 
     POST {url}/chat/completions  {"model", "messages": [{"role": "user", "content": <rubric>}],
                                   "max_tokens", "temperature"}
@@ -41,7 +41,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Sequence
 
-from actors.rewards import Score
+from actors.rewards import Score, http_attempt
 
 if TYPE_CHECKING:
     from buffer.rollouts import Rollout
@@ -199,7 +199,6 @@ class JudgeReward:
 
     def _judge(self, model: str, rollout: Rollout) -> Score:
         """One sample's grade: its request, tried `retries` times; a failure with the last reason."""
-        import httpx
 
         if rollout.label is None and "label" in self.fields:
             with self.lock:
@@ -215,17 +214,10 @@ class JudgeReward:
             attempts += 1
             with self.lock:
                 self.calls += 1
-            try:
-                resp = self.client.post(f"{self.url}/chat/completions", json=body)
-            except httpx.TimeoutException:
-                last = f"no answer within {self.timeout_s:g}s"
-                continue
-            except httpx.TransportError as e:  # refused, reset, DNS: the server may be back for the next try
-                last = f"unreachable ({type(e).__name__}: {e})"
-                continue
-            if resp.status_code >= 400:
-                last = f"HTTP {resp.status_code} {resp.reason_phrase}: {resp.text[:200]}"
-                if resp.status_code < 500 and resp.status_code != 429:  # asking again will not help
+            # (429, rate limited, is worth another attempt; any other 4xx is not)
+            resp, last, again = http_attempt(self.client, f"{self.url}/chat/completions", body, self.timeout_s, (429,))
+            if resp is None:
+                if not again:
                     break
                 continue
             text = answer_text(resp)

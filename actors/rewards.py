@@ -267,7 +267,6 @@ class RemoteReward:
 
     def _post(self, url: str, rollouts: Sequence[Rollout]) -> list[Score]:
         """One shard's scores: its request, retried; its samples failed with the reason if it never succeeds."""
-        import httpx
 
         n = len(rollouts)
         try:
@@ -278,17 +277,9 @@ class RemoteReward:
         for attempt in range(self.retries):
             if attempt:
                 time.sleep(self.backoff_s * 2 ** (attempt - 1))
-            try:
-                resp = self.client.post(url, json=body)
-            except httpx.TimeoutException:
-                last = f"no answer within {self.timeout_s:g}s"
-                continue
-            except httpx.TransportError as e:  # refused, reset, DNS: the server may be back for the next try
-                last = f"unreachable ({type(e).__name__}: {e})"
-                continue
-            if resp.status_code >= 400:
-                last = f"HTTP {resp.status_code} {resp.reason_phrase}: {resp.text[:200]}"
-                if resp.status_code < 500:  # the request itself is wrong: asking again will not help
+            resp, last, again = http_attempt(self.client, url, body, self.timeout_s)
+            if resp is None:
+                if not again:
                     break
                 continue
             try:
@@ -299,6 +290,24 @@ class RemoteReward:
                 return [Score(None, f"remote reward {url} answered without a `rewards` list")] * n
             return read_reply(answer, n, f"remote reward {url}")
         return [Score(None, f"remote reward {url} failed after {attempt + 1} attempt(s): {last}")] * n
+
+
+def http_attempt(client, url: str, body: dict, timeout_s: float, retry_statuses: Sequence[int] = ()):
+    """One POST of `body` as JSON: (the response, "", False) when it answered below 400; else
+    (None, why, whether another attempt may help: a timeout, a connection that failed, a 5xx or one
+    of `retry_statuses`; a 4xx says the request itself is wrong)."""
+    import httpx
+
+    try:
+        resp = client.post(url, json=body)
+    except httpx.TimeoutException:
+        return None, f"no answer within {timeout_s:g}s", True
+    except httpx.RequestError as e:  # refused, reset, DNS: the server may be back for the next try
+        return None, f"unreachable ({type(e).__name__}: {e})", True
+    if resp.status_code >= 400:
+        why = f"HTTP {resp.status_code} {resp.reason_phrase}: {resp.text[:200]}"
+        return None, why, resp.status_code >= 500 or resp.status_code in retry_statuses
+    return resp, "", False
 
 
 def stored_mean_std(config, path: str, key: str) -> tuple[float, float]:

@@ -31,6 +31,7 @@ from typing import Sequence
 import numpy as np
 
 from actors.config import ScorerConfig
+from actors.judge import DEFAULT_TEMPLATE, JudgeReward
 from actors.reward_files import RewardFn
 from actors.rewards import EnvReward, OverlongPenalty, RemoteReward, RewardModel, Score
 from actors.tasks import TaskRewards, task_of
@@ -74,6 +75,7 @@ class Scorer:
         self.parts: list[tuple[object, float]] = []  # (component, weight in `reward`)
         self.reference: Reference | None = None
         self.teacher: Reference | None = None  # (a teacher is a reference of another model)
+        self.judge: JudgeReward | None = None  # (its connections are closed with the scorer)
         self.reward_fn: RewardFn | TaskRewards | None = None  # also kept here: it has worker processes to close
         self.remote: RemoteReward | None = None  # and this its connections
         tokenizer = None
@@ -104,6 +106,12 @@ class Scorer:
                 self.parts.append((self.remote, cfg.remote_weight))
             elif kind == "reference":
                 self.reference = Reference(cfg.reference, cfg.dtype, cfg.device, cfg.batch_size)
+            elif kind == "judge":
+                self.judge = JudgeReward(cfg.judge_url, cfg.judge_model, cfg.judge_template or DEFAULT_TEMPLATE,
+                                         cfg.judge_max_score, cfg.judge_timeout_s, cfg.judge_retries,
+                                         concurrency=cfg.judge_concurrency, max_tokens=cfg.judge_max_tokens,
+                                         token=cfg.judge_token or os.environ.get("CONVEYOR_JUDGE_TOKEN", ""))
+                self.parts.append((self.judge, cfg.judge_weight))
             elif kind == "teacher":
                 self.teacher = Reference(cfg.teacher, cfg.dtype, cfg.device, cfg.batch_size)
             elif kind == "env":
@@ -134,6 +142,8 @@ class Scorer:
             self.reward_fn.close()
         if self.remote is not None:
             self.remote.close()
+        if self.judge is not None:
+            self.judge.close()
 
     def _component(self, name: str, fn, n: int):
         """fn() guarded: an unexpected exception fails the message's samples, not the process."""

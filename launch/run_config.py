@@ -305,7 +305,7 @@ def assign_ports(run: Run, base: int) -> None:
     finish(run, explicit=run.explicit)
 
 
-SECRETS = (("scorer", "remote_token", "CONVEYOR_RM_TOKEN"),)
+SECRETS = (("scorer", "remote_token", "CONVEYOR_RM_TOKEN"), ("scorer", "judge_token", "CONVEYOR_JUDGE_TOKEN"))
 """(section, key, environment variable): values never written to a file; the role reads the variable."""
 
 

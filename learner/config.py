@@ -213,6 +213,10 @@ class LearnerConfig(OptimConfig, WeightSyncAddress, BufferAddress):
     """On-policy distillation: each completion token's advantage gains distill_coef x (log teacher -
     log pi_old) of its sampled token, the per-token reverse KL to the teacher (needs teacher_logprobs
     from a scorer of kind `teacher`); with no reward (or beside one). 0: off."""
+    distill_baseline: Literal["none", "mean"] = "none"
+    """`mean`: the distillation term's mean over the step's sampled tokens (all ranks) is subtracted
+    first, a constant baseline (the gradient's expectation is unchanged, its variance lower when the
+    student is far from the teacher and every token's term is large and negative); `none`: as is."""
     sequence_parallel: int = Field(1, ge=1)
     """Ranks sharing each sequence (DeepSpeed-Ulysses: each runs a slice of the positions, attention
     swaps the slices for heads with an all-to-all): run.learner_ranks / sequence_parallel groups

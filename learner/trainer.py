@@ -317,7 +317,7 @@ def prepare_step(cfg: LearnerConfig, policy, critic, tb: TrainBatch, step: int, 
     if tb.ref_logprobs is not None:
         kl_ref = kl_penalty(tb.prox_logprobs, tb.ref_logprobs, cfg.kl_estimator) * mask  # (B, T)
     tb.advantages, tb.returns = compute_advantages(cfg, tb, kl_ref, sum_fn=all_reduce_sum if world > 1 else None)
-    distill = distill_advantages(cfg, tb, mask, step)
+    distill = distill_advantages(cfg, tb, mask, step, world)
 
     truncated_frac = float(tb.truncated.float().mean())
     return {
@@ -338,7 +338,8 @@ def prepare_step(cfg: LearnerConfig, policy, critic, tb: TrainBatch, step: int, 
     }
 
 
-def distill_advantages(cfg: LearnerConfig, tb: TrainBatch, mask: torch.Tensor, step: int) -> dict[str, float]:
+def distill_advantages(cfg: LearnerConfig, tb: TrainBatch, mask: torch.Tensor, step: int,
+                       world: int = 1) -> dict[str, float]:
     """On-policy distillation: adds distill_coef x (log teacher - log pi_old) to each sampled token's
     advantage, the negative per-token reverse KL of the student to the teacher (one sample, no
     discount), whose policy gradient lowers KL(pi || teacher) on the student's own samples (on-policy
@@ -350,9 +351,15 @@ def distill_advantages(cfg: LearnerConfig, tb: TrainBatch, mask: torch.Tensor, s
         raise ValueError(f"learner.distill_coef={cfg.distill_coef} needs teacher_logprobs, but step {step}'s "
                          f"rollouts carry none: run a scorer of kind `teacher` (scorer.teacher)")
     gap = (tb.teacher_logprobs - tb.prox_logprobs) * mask  # (B, T): log teacher - log pi_old
-    tb.advantages = tb.advantages + cfg.distill_coef * gap
+    term = gap
+    if cfg.distill_baseline == "mean":
+        s = torch.stack([gap.sum(), mask.sum()]).double()
+        if world > 1:
+            s = all_reduce_sum(s)
+        term = (gap - (s[0] / s[1].clamp_min(1.0)).to(gap.dtype)) * mask
+    tb.advantages = tb.advantages + cfg.distill_coef * term
     return {"distill/reverse_kl": float(masked_mean(-gap, mask)),
-            "distill/advantage_mean": float(masked_mean(cfg.distill_coef * gap, mask))}
+            "distill/advantage_mean": float(masked_mean(cfg.distill_coef * term, mask))}
 
 
 def policy_micro_loss(cfg: LearnerConfig, policy, mb: TrainBatch, packed: PackedRows | None,

@@ -381,11 +381,11 @@ def test_scorer_config_errors_quote_the_values():
     from common.config import ConfigError, load_section
 
     with pytest.raises(ConfigError) as e:
-        load_section(ScorerConfig, "scorer", None, ["--scorer.kinds", "reward_fn,remote,judge",
+        load_section(ScorerConfig, "scorer", None, ["--scorer.kinds", "reward_fn,remote,jury",
                                                     "--scorer.remote_url", "ftp://x",
                                                     "--scorer.reward_fn_timeout_s", "0"])
     msg = str(e.value)
-    assert "unknown ['judge']" in msg and "scorer.reward_fn is empty" in msg and "'ftp://x'" in msg
+    assert "unknown ['jury']" in msg and "scorer.reward_fn is empty" in msg and "'ftp://x'" in msg
     assert "scorer.reward_fn_timeout_s=0.0 must be > 0" in msg
 
 
