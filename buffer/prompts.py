@@ -26,6 +26,11 @@ Several datasets are combined as OpenRLHF's `blending_datasets` combines them:
                   starts again from its first row, and the mix ends once every dataset has been
                   used whole: the smaller share of a dataset, the more often the others repeat.
 
+A dataset named `reasoning_gym:<task>[+<task>...][?size=N&seed=S&<param>=<value>]` is made on the
+spot by reasoning-gym's generators (buffer/reasoning_gym.py: deterministic from the seed), each row
+carrying what the `reasoning_gym` built-in reward needs to score it (`rg_task`, `rg_entry`,
+`rg_source`) and its `task`.
+
 `max_samples` caps each dataset before the mix and the mix after it, as OpenRLHF does. The mixed
 list is then one dataset to the buffer: `PromptOrder` shuffles it per epoch.
 """
@@ -41,6 +46,7 @@ import numpy as np
 
 from buffer.config import BufferConfig
 from buffer.messages import ChatMessage, PromptGroup
+from buffer.reasoning_gym import is_reasoning_gym, reasoning_gym_rows
 from common.datasets import BadRow, DatasetError, chat_messages, iter_rows
 from common.wire import short
 
@@ -123,7 +129,16 @@ def _read(path: str, split: str, input_key: str, label_key: str, template: str, 
           columns: Sequence[str] | None = None) -> list[Row]:
     rows: list[Row] = []
     try:
-        for where, row in iter_rows(path, split):
+        if is_reasoning_gym(path):  # procedural rows, made here (buffer/reasoning_gym.py)
+            try:
+                made = reasoning_gym_rows(path)
+            except ValueError as e:  # a bad spec: its message names it
+                raise PromptsError(str(e)) from None
+            keys = {"prompt": input_key, "label": label_key}
+            source = ((f"{path}: row {i}", {keys.get(k, k): v for k, v in row.items()}) for i, row in enumerate(made))
+        else:
+            source = iter_rows(path, split)
+        for where, row in source:
             if limit and len(rows) >= limit:
                 break
             try:

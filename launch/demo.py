@@ -1,4 +1,4 @@
-"""The embedded demos: `make demo` or `python -m launch.demo [--demo.task calc|guess] [--section.key VALUE ...]`.
+"""The embedded demos: `make demo` or `python -m launch.demo [--demo.task calc|guess|distill] [--section.key V ...]`.
 
 1. builds the tiny Llama and its character tokenizer (nothing is downloaded);
 2. warm-starts it by supervised fine-tuning, stopped early so the policy is only partly right:
@@ -18,9 +18,15 @@
    tensorboard logs, `reward.png`, HF checkpoints, the evaluation samples and `summary.json` (with
    `run_s`, the wall clock after the warm start, and `wall_s`, all of it).
 
+`--demo.task distill` is on-policy distillation without a reward: a teacher warm-started much longer
+(`--demo.teacher_steps`, 1200: it answers every held-out problem) scores the student's own samples
+token by token (a scorer of kind `teacher`, `learner.distill_coef 1`), and the student, the
+arithmetic demo's warm start, is evaluated greedily on the held-out problems at each checkpoint
+(with transformers: the run has no reward to judge answers by).
+
 Overrides go to the run config (`--learner.total_steps 20`); `--demo.task`, `--demo.warm_steps N`,
 `--demo.heldout N`, `--demo.train_prompts N`, `--demo.seed N`, `--demo.eval_every N` and
-`--demo.out DIR` set the demo's own knobs (their defaults depend on the task: TASKS).
+`--demo.out DIR`, `--demo.teacher_steps N` set the demo's own knobs (their defaults depend on the task: TASKS).
 """
 
 from __future__ import annotations
@@ -35,7 +41,7 @@ DEMO_CONFIG = ROOT / "examples" / "demo.yaml"
 AGENT_CONFIG = ROOT / "examples" / "agent.yaml"  # the tools demo (calc)
 GUESS_CONFIG = ROOT / "examples" / "guess.yaml"
 DEMO_DEFAULTS = {"task": "arithmetic", "warm_steps": 375, "heldout": 200, "train_prompts": 3000, "seed": 0, "out": "",
-                 "eval_every": 25}
+                 "eval_every": 25, "teacher_steps": 1200}
 # Each task: its run config, the demo knobs it sets otherwise, and the plot's title and label.
 TASKS = {
     "arithmetic": {"config": DEMO_CONFIG, "defaults": {},
@@ -48,6 +54,12 @@ TASKS = {
              "title": "Conveyor agent demo: async GRPO on multiplication with a calculator tool",
              "heldout_label": "held-out problems solved, greedy (eval/pass@1)",
              "eval_set": "held-out problems, one greedy episode each"},
+    # distill: no reward; the student (the arithmetic demo's warm start) learns from a teacher's log-probs
+    "distill": {"config": DEMO_CONFIG, "defaults": {},
+                "title": "Conveyor demo: on-policy distillation (no reward) on reversed-digit addition",
+                "heldout_label": "student's held-out greedy accuracy",
+                "eval_set": "held-out problems, one greedy answer each, at each checkpoint (transformers)",
+                "series": ("distill/reverse_kl", "reverse KL to the teacher, per token (train batches)")},
     # guess: no secret held out (see demo/guess.py); a warm start of 45 steps finds about 40% of them
     "guess": {"config": GUESS_CONFIG, "defaults": {"warm_steps": 45, "heldout": 0, "train_prompts": 8000,
                                                    "eval_every": 20},
@@ -95,6 +107,34 @@ def prepare_arithmetic(demo: dict, run_dir: Path) -> tuple[Path, Path, Path, lis
     print(f"[demo] warm start: {demo['warm_steps']} supervised steps on {len(train)} problems", flush=True)
     warm = warm_start(base, run_dir / "models" / "warm", train, demo["warm_steps"], seed=demo["seed"], log_every=100)
     return warm, prompts, heldout_path, []
+
+
+def prepare_distill(demo: dict, run_dir: Path) -> tuple[Path, Path, Path, list[str]]:
+    """The arithmetic demo's student, data and held-out set, and a teacher warm-started from the same
+    base for `teacher_steps` (its folder in demo["teacher"])."""
+    from demo.arithmetic import make_problems, warm_start
+
+    student, prompts, heldout_path, held = prepare_arithmetic(demo, run_dir)
+    heldout = make_problems(demo["heldout"], seed=10_000 + demo["seed"])
+    train = make_problems(demo["train_prompts"], seed=demo["seed"], exclude={p["prompt"] for p in heldout})
+    print(f"[demo] teacher: {demo['teacher_steps']} supervised steps", flush=True)
+    demo["teacher"] = warm_start(run_dir / "models" / "base", run_dir / "models" / "teacher", train,
+                                 demo["teacher_steps"], seed=demo["seed"], log_every=0)
+    return student, prompts, heldout_path, held
+
+
+def distill_overrides(demo: dict) -> list[str]:
+    """The run config of the distillation demo: the teacher scores, no reward, checkpoints to evaluate."""
+    return ["--scorer.kinds", "teacher", "--scorer.teacher", str(demo["teacher"]), "--learner.distill_coef", "1.0",
+            "--learner.total_steps", "100", "--learner.save_every", str(demo["eval_every"])]
+
+
+def checkpoint_accuracy(run_dir: Path, start: Path, heldout_path: Path) -> list[tuple[int, float]]:
+    """(step, held-out greedy accuracy) of the start model and of every checkpoint (transformers)."""
+    from demo.arithmetic import greedy_accuracy
+
+    heldout = [json.loads(line) for line in heldout_path.read_text().splitlines() if line.strip()]
+    return [(step, greedy_accuracy(str(p), heldout)) for step, p in [(0, start), *checkpoint_steps(run_dir)]]
 
 
 def prepare_calc(demo: dict, run_dir: Path) -> tuple[Path, Path, Path, list[str]]:
@@ -179,14 +219,16 @@ def plot(run_dir: Path, rows: list[dict], acc_points: list[tuple[int, float]], t
 
     fig, ax = plt.subplots(figsize=(7, 4))
     steps = [r["step"] for r in rows]
-    ax.plot(steps, [r.get("reward/mean", float("nan")) for r in rows], label="reward (train batches)", alpha=0.8)
+    key, label = TASKS[task].get("series", ("reward/mean", "reward (train batches)"))
+    ax.plot(steps, [r.get(key, float("nan")) for r in rows], label=label, alpha=0.8)
     if acc_points:
         ax.plot([s for s, _ in acc_points], [a for _, a in acc_points], "o-", label=TASKS[task]["heldout_label"])
     if held_points:
         ax.plot([s for s, _ in held_points], [a for _, a in held_points], "s--", label="held-out secrets found, greedy")
     ax.set_xlabel("learner step (policy version)")
-    ax.set_ylabel("reward / accuracy")
-    ax.set_ylim(-0.02, 1.02)
+    ax.set_ylabel("reward / accuracy" if key == "reward/mean" else "reverse KL / accuracy")
+    if key == "reward/mean":
+        ax.set_ylim(-0.02, 1.02)
     ax.grid(alpha=0.3)
     ax.legend(loc="lower right")
     ax.set_title(TASKS[task]["title"])
@@ -247,17 +289,21 @@ def main(argv: list[str] | None = None) -> int:
 
     from demo.tiny_model import build_tokenizer
 
-    prepare = {"arithmetic": prepare_arithmetic, "calc": prepare_calc, "guess": prepare_guess}[demo["task"]]
+    prepare = {"arithmetic": prepare_arithmetic, "calc": prepare_calc, "guess": prepare_guess,
+               "distill": prepare_distill}[demo["task"]]
     warm, prompts, heldout_path, held = prepare(demo, run_dir)
     warm_s = time.monotonic() - t0
     newline = build_tokenizer().convert_tokens_to_ids("\n")
-    run = load_run_config(task["config"], [*overrides, "--learner.model_path", str(warm), "--buffer.prompts",
+    distill = demo["task"] == "distill"
+    # evaluation during training: greedy answers to the held-out prompts (distill: of the checkpoints, after)
+    evaluation = [] if distill else ["--eval.dataset", str(heldout_path), "--eval.every", str(demo["eval_every"]),
+                                     "--eval.n_samples_per_prompt", "1", "--eval.temperature", "0"]
+    run = load_run_config(task["config"], [*(distill_overrides(demo) if distill else []), *overrides,
+                                           "--learner.model_path", str(warm), "--buffer.prompts",
                                            str(prompts), "--run.run_dir", str(run_dir),
-                                           "--generator.stop_token_ids", str(newline),
-                                           # evaluation during training: greedy answers to the held-out prompts
-                                           "--eval.dataset", str(heldout_path), "--eval.every", str(demo["eval_every"]),
-                                           "--eval.n_samples_per_prompt", "1", "--eval.temperature", "0"])
-    print(f"[demo] async GRPO for {run.learner.total_steps} steps: logs in {run_dir / 'logs'}", flush=True)
+                                           "--generator.stop_token_ids", str(newline), *evaluation])
+    what = "on-policy distillation" if distill else "async GRPO"
+    print(f"[demo] {what} for {run.learner.total_steps} steps: logs in {run_dir / 'logs'}", flush=True)
     code = run_local(run)
     if code != 0:
         print(f"[demo] the run failed (exit code {code}); see {run_dir / 'logs'}", file=sys.stderr)
@@ -265,6 +311,8 @@ def main(argv: list[str] | None = None) -> int:
 
     rows = read_metrics(run_dir / "metrics.jsonl")
     acc_points = [(r["step"], r["eval/pass@1"]) for r in rows if "eval/pass@1" in r]
+    if distill:
+        acc_points = checkpoint_accuracy(run_dir, warm, heldout_path)
     for step, acc in acc_points:
         print(f"[demo] step {step}: {task['heldout_label']} {acc:.3f}", flush=True)
     rows = [r for r in rows if "loss/policy" in r]  # (the final evaluation has a row of its own)
@@ -276,6 +324,14 @@ def main(argv: list[str] | None = None) -> int:
                "warm_start_s": round(warm_s, 1), "run_s": round(wall_s - warm_s, 1)}
     if held:
         summary.update(heldout_labels=held, heldout_subset={str(v): a for v, a in held_points})
+    if distill:
+        kl = [r["distill/reverse_kl"] for r in rows if "distill/reverse_kl" in r]
+        tenth = max(1, len(kl) // 10)
+        from demo.arithmetic import greedy_accuracy
+
+        heldout = [json.loads(line) for line in heldout_path.read_text().splitlines() if line.strip()]
+        summary.update(teacher_acc=greedy_accuracy(str(demo["teacher"]), heldout),
+                       reverse_kl_first=sum(kl[:tenth]) / tenth, reverse_kl_last=sum(kl[-tenth:]) / tenth)
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     print(json.dumps(summary, indent=2))
     print(f"[demo] done in {summary['wall_s']:.0f}s ({summary['run_s']:.0f}s after the warm start): reward "

@@ -23,6 +23,7 @@ from typing import Any, ClassVar, Literal, Sequence
 
 from pydantic import Field, field_validator
 
+from buffer.reasoning_gym import SCHEME as REASONING_GYM
 from common.config import ConfigError, Section, apply_flags, build, is_set, read_yaml, render_help, suggest
 from common.curve import Mode as CurveMode
 from common.curve import is_loopback
@@ -286,8 +287,9 @@ def finish(run: Run, explicit: dict | None = None, paths: bool = True) -> None:
                           f"gradient_accumulation_steps = {need}")
     datasets = [p.strip() for p in b.prompts.split(",") if p.strip()]  # files or dataset folders
     for p in datasets if paths else ():
-        if not Path(p).exists():
-            errors.append(f"buffer.prompts: {p!r} is neither a file nor a folder (buffer.prompts={b.prompts!r})")
+        if not Path(p).exists() and not p.startswith(REASONING_GYM):
+            errors.append(f"buffer.prompts: {p!r} is neither a file nor a folder nor a {REASONING_GYM}<task> spec "
+                          f"(buffer.prompts={b.prompts!r})")
     if not datasets:
         errors.append("no prompts: set buffer.prompts (or --prompt_data) to a JSONL or Parquet file "
                       "or a dataset folder")

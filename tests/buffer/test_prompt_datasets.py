@@ -363,3 +363,15 @@ def test_a_rows_other_columns_travel_with_it_as_json(tmp_path):
     big = write_jsonl(tmp_path / "big.jsonl", [{"prompt": "p", "blob": "x" * (MAX_COLUMNS_BYTES + 1)}])
     with pytest.raises(PromptsError, match=r"big.jsonl:1: its other columns take \d+ bytes.*the largest: 'blob'"):
         load_prompts(str(big))
+
+
+def test_a_reasoning_gym_spec_is_a_dataset_made_on_the_spot(tmp_path):
+    spec = "reasoning_gym:chain_sum?size=3&seed=1"
+    rows = load_prompts(spec, input_key="question", label_key="answer")  # (the keys it is read with)
+    assert len(rows) == 3 and rows == load_prompts(spec, input_key="question", label_key="answer")  # the same rows
+    cols = json.loads(rows[0].columns)
+    assert cols["task"] == cols["rg_task"] == "chain_sum" and cols["rg_entry"]["answer"] == rows[0].label
+    mixed = load_prompts(f"{write_jsonl(tmp_path / 'p.jsonl', [{'prompt': 'p', 'label': '1'}])},{spec}")
+    assert [r.text for r in mixed][0] == "p" and len(mixed) == 4
+    with pytest.raises(PromptsError, match="chain_summ"):
+        load_prompts("reasoning_gym:chain_summ")

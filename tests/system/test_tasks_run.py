@@ -1,8 +1,10 @@
-"""Two tasks in one run through `launch.local` (real generator, scorer, buffer, learner, weight
-sync, tiny model): arithmetic rows scored by exact match, math rows by the `math` built-in, each
-row's `task` column picking its reward; the rows' other columns reach the reward function whole
-(a reward file that needs its `level` column fails without it). Asserted: the run completes, every
-step logs each task's metrics, and the evaluation reports each task's pass rate."""
+"""Three tasks in one run through `launch.local` (real generator, scorer, buffer, learner, weight
+sync, tiny model): arithmetic rows scored by exact match, math rows by the `math` built-in, and
+reasoning-gym's `chain_sum` made on the spot (`reasoning_gym:chain_sum`) and scored by the
+`reasoning_gym` built-in, each row's `task` column picking its reward; the rows' other columns reach
+the reward functions whole (a reward file that needs its `level` column fails without it, and the
+reasoning-gym reward needs its entry). Asserted: the run completes, every step logs each task's
+metrics, and the evaluation reports each task's pass rate with no prompt failed."""
 
 from __future__ import annotations
 
@@ -33,25 +35,26 @@ def test_two_tasks_score_by_their_rows_task_and_report_apart(tiny_model_dir, tmp
     prompts.write_text("".join(json.dumps(r) + "\n" for r in rows))
     (tmp_path / "arith.py").write_text(ARITH)
     run_dir = tmp_path / "run"
+    datasets = f"{prompts},reasoning_gym:chain_sum?size=16&seed=0"
     argv = [sys.executable, "-m", "launch.local", str(ROOT / "examples" / "demo.yaml"), "--run.run_dir", str(run_dir),
-            "--learner.model_path", str(tiny_model_dir), "--buffer.prompts", str(prompts),
-            "--scorer.tasks", f"{{arith: {tmp_path / 'arith.py'}, math: math}}",
+            "--learner.model_path", str(tiny_model_dir), "--buffer.prompts", datasets,
+            "--scorer.tasks", f"{{arith: {tmp_path / 'arith.py'}, math: math, chain_sum: reasoning_gym}}",
             "--scorer.task_options", "{math: {extract: [last_number]}}",
             "--buffer.prompts_per_step", "8", "--buffer.n_samples_per_prompt", "2", "--learner.total_steps", "2",
-            "--eval.dataset", str(prompts), "--eval.every", "2", "--eval.max_samples", "32"]
+            "--eval.dataset", datasets, "--eval.every", "2", "--eval.max_samples", "48"]
     res = subprocess.run(argv, cwd=ROOT, env=subprocess_env(), capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in rows if "loss/policy" in r]
     assert [r["step"] for r in steps] == [0, 1]
     for r in steps:
-        shares = [r.get("task/arith/share", 0.0), r.get("task/math/share", 0.0)]
+        shares = [r.get(f"task/{t}/share", 0.0) for t in ("arith", "math", "chain_sum")]
         assert sum(shares) == pytest.approx(1.0) and all(0.0 <= r[k] <= 1.0 for k in r if k.endswith("pass_rate"))
     assert any("task/arith/reward_mean" in r for r in steps) and any("task/math/reward_mean" in r for r in steps)
     evals = [r for r in rows if "eval/pass@1" in r]
     assert len(evals) == 2  # versions 0 and 2
     for r in evals:  # each task's 16 prompts on their own
-        assert r["eval/arith/prompts"] == 16 and r["eval/math/prompts"] == 16
-        assert 0.0 <= r["eval/math/pass@1"] <= 1.0 and 0.0 <= r["eval/arith/pass@1"] <= 1.0
+        for t in ("arith", "math", "chain_sum"):
+            assert r[f"eval/{t}/prompts"] == 16 and 0.0 <= r[f"eval/{t}/pass@1"] <= 1.0
         # no prompt failed for want of its columns (the arithmetic reward asserts its `level` column)
         assert r["eval/failed_prompts"] == 0
