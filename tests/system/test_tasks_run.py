@@ -25,7 +25,7 @@ def reward_fn(prompts, completions, labels, level):
 
 
 @pytest.mark.slow
-def test_two_tasks_score_by_their_rows_task_and_report_apart(tiny_model_dir, tmp_path):
+def test_three_tasks_score_by_their_rows_task_and_report_apart(tiny_model_dir, tmp_path):
     from demo.arithmetic import make_problems
 
     rows = [{**p, "task": "arith", "level": 1} for p in make_problems(16, seed=0)]
