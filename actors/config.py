@@ -93,6 +93,14 @@ class GeneratorConfig(WeightSyncAddress, BufferAddress):
     empty: one completion per sample. Each policy turn is at most max_new_tokens long. Not with `agent`."""
     env_args: dict[str, Any] = Field(default_factory=dict)
     """Keyword arguments of the environment's class."""
+    task_envs: dict[str, str] = Field(default_factory=dict)
+    """Several tasks in one run: task name -> the environment its rows play (as `env`); rows of other
+    tasks play `env` (or none). Each row's task is its column `task_key` (actors/tasks.py `TaskEnvs`);
+    score them with `scorer.tasks: {TASK: env}`. Not with `agent`."""
+    task_env_args: dict[str, dict[str, Any]] = Field(default_factory=dict)
+    """Each task environment's keyword arguments (task name -> arguments)."""
+    task_key: str = "task"
+    """The dataset column naming a row's task (as scorer.task_key)."""
     max_turns: int = Field(4, ge=1)
     """Policy turns per episode at most; an episode cut there ends with finish_reason `length`."""
     max_context_tokens: int = Field(0, ge=0)
@@ -151,6 +159,13 @@ class GeneratorConfig(WeightSyncAddress, BufferAddress):
                         f"buffer_patience_s={self.buffer_patience_s}")
         if self.async_engine and self.engine != "vllm":
             errs.append(f"generator.async_engine=true needs generator.engine='vllm' (got {self.engine!r})")
+        if self.task_envs and self.agent:
+            errs.append("generator.task_envs and generator.agent: a run's samples play environments or agent code, "
+                        "not both")
+        unknown = sorted(set(self.task_env_args) - set(self.task_envs))
+        if unknown:
+            errs.append(f"generator.task_env_args names {unknown}, which generator.task_envs does not "
+                        f"({sorted(self.task_envs)})")
         if self.engine == "vllm" and self.lora_rank > 512:
             errs.append(f"generator.lora_rank={self.lora_rank} (learner.lora_rank): vLLM serves LoRA adapters "
                         f"up to rank 512")
@@ -189,8 +204,9 @@ class ScorerConfig(BufferAddress):
     name: `math`, `format`, `code` (actors/verifiers/). Either gets the row's other columns as
     keyword arguments (buffer.columns)."""
     tasks: dict[str, str] = Field(default_factory=dict)
-    """Several tasks in one run: task name -> its reward file or built-in; each row picks its task by
-    the column `task_key`, and scorer.reward_fn (if set) scores rows of any other task (actors/tasks.py)."""
+    """Several tasks in one run: task name -> its reward file or built-in, or `env` (the reward of the
+    episode its environment played: generator.task_envs); each row picks its task by the column
+    `task_key`, and scorer.reward_fn (if set) scores rows of any other task (actors/tasks.py)."""
     task_key: str = "task"
     """The dataset column naming a row's task (`task`, `data_source`, ...)."""
     task_options: dict[str, dict[str, Any]] = Field(default_factory=dict)
@@ -332,7 +348,7 @@ class ScorerConfig(BufferAddress):
             errs.append(f"scorer.overlong_buffer_len={self.overlong_buffer_len} must be < max_new_tokens="
                         f"{self.max_new_tokens}")
         for key, value in ([("reward_fn", self.reward_fn)] if self.reward_fn else []) + \
-                [(f"tasks.{t}", v) for t, v in self.tasks.items()]:
+                [(f"tasks.{t}", v) for t, v in self.tasks.items() if v != "env"]:
             try:
                 resolve(value)
             except ValueError as e:

@@ -44,6 +44,7 @@ from actors.engines.base import Completion, Engine, Sampling
 from actors.envs.episodes import rollout_of, run_episodes
 from actors.envs.loader import load_env
 from actors.prompts import encode_prompt, fit_prompt
+from actors.tasks import TaskEnvs
 from actors.weight_hook import WeightSyncHook
 from buffer.client import BufferClient, BufferError
 from buffer.messages import ID_DTYPE, LOGPROB_DTYPE, LeaseGrant, Rollout, Wait
@@ -174,7 +175,11 @@ def make_rollouts(grant: LeaseGrant, cfg: GeneratorConfig, engine: Engine, sampl
                   sync: WeightSyncHook | None = None, factory=None, agents=None) -> list[Rollout]:
     """Steps 3-4 for one lease: the rollouts of its groups (refused groups are reported, not sampled);
     with an environment `factory`, one multi-turn episode per sample (actors/envs/episodes.py); with
-    `agents` (an `actors.agents.openai_server.AgentServer`), one agent session per sample."""
+    `agents` (an `actors.agents.openai_server.AgentServer`), one agent session per sample; with a
+    `TaskEnvs` for `factory`, each group's task's environment (the lease split by environment)."""
+    if isinstance(factory, TaskEnvs):
+        return factory.split(grant, lambda part, f: make_rollouts(part, cfg, engine, sampling, client, worker_id,
+                                                                  counts, sync, f, agents))
     groups, prompt_ids = [], []
     tools = getattr(factory, "chat_tools", None)  # (a tools environment's schemas, for the template)
     for g in grant.groups:
@@ -316,6 +321,9 @@ def run(cfg: GeneratorConfig, stop: threading.Event | None = None) -> int:
     factory = None
     if cfg.env:  # (before the engine: a bad environment is said at once)
         factory = load_env(cfg.env, cfg.env_args, "generator.env")
+    if cfg.task_envs:  # each row's task's environment, the others `env`'s
+        factory = TaskEnvs({t: load_env(spec, cfg.task_env_args.get(t), f"generator.task_envs.{t}")
+                            for t, spec in cfg.task_envs.items()}, cfg.task_key, factory)
     agent = None
     if cfg.agent:  # (the same: a bad agent spec is said before the engine starts)
         agent = load_agent(cfg.agent, cfg.agent_args, "generator.agent")

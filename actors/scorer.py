@@ -167,7 +167,7 @@ class Scorer:
         out = []
         for i, r in enumerate(rollouts):
             scores, errors, metadata = {}, [], {}
-            if self.task_key and (task := task_of(r, self.task_key)) is not None:
+            if self.task_key and (task := task_of(r.columns, self.task_key)) is not None:
                 metadata[TASK] = task
             for name, res in results.items():
                 s = res[i]

@@ -2,7 +2,7 @@
 
     scorer:
       task_key: data_source            # the dataset column naming a row's task (default `task`)
-      tasks: {math: math, code: code, chat: rewards/judge.py}   # task -> reward file or built-in
+      tasks: {math: math, code: code, game: env}    # task -> reward file, built-in, or `env` (its episode's)
       task_options: {code: {mode: all}}                          # each task's configure() options
       reward_fn: format                # optional: the reward of a row whose task is not in `tasks`
 
@@ -11,7 +11,9 @@
 own task's samples' call), each called once per message with its task's samples, the answers put
 back in order. A row without a task, or with one `tasks` does not name and no `reward_fn` default,
 fails its sample with the reason (the buffer drops its group and counts it). The task travels in
-the sample's metadata (`buffer.rules.TASK`), from which the learner logs `task/<name>/...` per step
+the sample's metadata (`buffer.rules.TASK`). The generator's side is `TaskEnvs`: each row's task may
+name the environment its samples play (generator.task_envs), scored by `env` here. The task travels in
+the sample's metadata, from which the learner logs `task/<name>/...` per step
 (reward mean, pass rate: the share of samples with a reward above 0, completion length, samples)
 and the evaluation its `eval/<name>/...` (buffer/eval.py).
 """
@@ -22,18 +24,42 @@ import json
 from typing import TYPE_CHECKING, Sequence
 
 from actors.reward_files import RewardFn
-from actors.rewards import Score
+from actors.rewards import EnvReward, Score
 
 if TYPE_CHECKING:
     from buffer.messages import Rollout
 
 
-def task_of(r: Rollout, key: str) -> str | None:
-    """The task the rollout's prompt row names in column `key` (a string or a number), else None."""
-    if not r.columns:
+def task_of(columns: str, key: str) -> str | None:
+    """The task a prompt row names in column `key` (a string or a number; `columns`: the row's other
+    columns as JSON, `Rollout.columns` or `PromptGroup.columns`), else None."""
+    if not columns:
         return None
-    value = json.loads(r.columns).get(key)
+    value = json.loads(columns).get(key)
     return None if value is None or isinstance(value, (dict, list)) else str(value)
+
+
+class TaskEnvs:
+    """The generator's environments by task (generator.task_envs): each prompt group plays the
+    environment its row's task names, a group of any other task `default` (generator.env; None: one
+    completion per sample). A lease's groups are split by environment and each part generated as a
+    lease of its own would be."""
+
+    def __init__(self, factories: dict, key: str, default=None):
+        self.factories, self.key, self.default = factories, key, default
+
+    def of(self, group):
+        return self.factories.get(task_of(group.columns, self.key), self.default)
+
+    def split(self, grant, generate) -> list:
+        """`generate(part, factory)` for each part of `grant` (its groups with one environment); the rollouts."""
+        from msgspec.structs import replace
+
+        parts: dict[int, tuple] = {}
+        for g in grant.groups:
+            f = self.of(g)
+            parts.setdefault(id(f), (f, []))[1].append(g)
+        return [r for f, groups in parts.values() for r in generate(replace(grant, groups=groups), f)]
 
 
 class TaskRewards:
@@ -45,11 +71,12 @@ class TaskRewards:
                  tokenizer=None, options: dict[str, dict] | None = None, default_options: dict | None = None):
         options = options or {}
         self.key = key
-        self.fns: dict[str, RewardFn] = {}
+        self.fns: dict[str, RewardFn | EnvReward] = {}
         self.default: RewardFn | None = None
         try:
-            for task, path in tasks.items():
-                self.fns[task] = RewardFn(path, timeout_s, tokenizer, options.get(task))
+            for task, path in tasks.items():  # ("env": the episode's own reward, generator.task_envs)
+                self.fns[task] = (EnvReward() if path == "env"
+                                  else RewardFn(path, timeout_s, tokenizer, options.get(task)))
             self.default = RewardFn(default, timeout_s, tokenizer, default_options) if default else None
         except BaseException:
             self.close()
@@ -65,7 +92,8 @@ class TaskRewards:
         return sum(f.crashes for f in self.all())
 
     def all(self) -> list[RewardFn]:
-        return [*self.fns.values(), *([self.default] if self.default is not None else [])]
+        """The reward-function workers (an `env` task has none)."""
+        return [f for f in [*self.fns.values(), self.default] if isinstance(f, RewardFn)]
 
     def close(self) -> None:
         for f in self.all():
@@ -75,7 +103,7 @@ class TaskRewards:
         out: list[Score | None] = [None] * len(rollouts)
         by_fn: dict[int, tuple[RewardFn, list[int]]] = {}
         for i, r in enumerate(rollouts):
-            task = task_of(r, self.key)
+            task = task_of(r.columns, self.key)
             fn = self.fns.get(task) if task is not None else None
             fn = fn or self.default
             if fn is None:

@@ -4,6 +4,8 @@ task reaches the sample's metadata, and the learner and the evaluation report pe
 from __future__ import annotations
 
 import json
+import tempfile
+from pathlib import Path
 
 import pytest
 
@@ -65,7 +67,7 @@ def test_task_config_errors_name_the_key():
         ScorerConfig(tasks={"b": "nosuch"}).validate()
     with pytest.raises(ConfigError, match=r"task_options names \['c'\], which scorer.tasks does not"):
         ScorerConfig(tasks={"b": "math"}, task_options={"c": {}}).validate()
-    assert task_of(make_rollout("p", "c", None), "task") is None
+    assert task_of(make_rollout("p", "c", None).columns, "task") is None
 
 
 def test_learner_and_evaluation_metrics_per_task():
@@ -89,3 +91,57 @@ def test_learner_and_evaluation_metrics_per_task():
     assert (values["eval/a/pass@1"], values["eval/a/pass@k"], values["eval/a/prompts"]) == (0.25, 0.5, 2.0)
     assert (values["eval/b/pass@1"], values["eval/b/reward_mean"]) == (1.0, 1.0)
     assert values["eval/pass@1"] == 0.5  # over every task, as before
+
+
+# ------------------------------------------------------------------------------------------------
+# the generator's side: each row's task picks the environment it plays
+
+
+def test_a_lease_is_split_by_each_groups_environment():
+    from actors.tasks import TaskEnvs
+    from buffer.messages import LeaseGrant, PromptGroup
+
+    game, other = object(), object()
+    envs = TaskEnvs({"game": game}, "task", default=other)
+    groups = [PromptGroup(i, f"p{i}", None, columns=json.dumps({"task": t}) if t else "")
+              for i, t in enumerate(["game", "arith", "game", None])]
+    grant = LeaseGrant(lease_id=5, groups=groups, n_samples=2, ttl_s=60.0, version=0)
+    seen = []
+    out = envs.split(grant, lambda part, f: seen.append((f, [g.group_id for g in part.groups], part.lease_id)) or [f])
+    assert seen == [(game, [0, 2], 5), (other, [1, 3], 5)] and out == [game, other]
+
+
+def test_one_lease_plays_each_rows_environment_and_scores_each_task(tiny_model_dir):
+    """A real engine (transformers, the tiny model): rows of task `game` play the guessing game
+    (multi-turn), rows of task `arith` get one completion; the scorer scores the game by its
+    episode's reward (`env`) and arithmetic by exact match."""
+    from actors.config import GeneratorConfig
+    from actors.engines.base import Sampling
+    from actors.engines.hf import TransformersEngine
+    from actors.envs.loader import load_env
+    from actors.generator import Counters, make_rollouts
+    from actors.tasks import TaskEnvs
+    from buffer.messages import LeaseGrant, PromptGroup
+
+    cfg = GeneratorConfig(model=str(tiny_model_dir), engine="transformers", max_new_tokens=3, max_turns=2,
+                          use_chat_template=False, task_envs={"game": "guess"}).validate()
+    engine = TransformersEngine(str(tiny_model_dir))
+    groups = [PromptGroup(0, "Guess 1-31:", "17", columns=json.dumps({"task": "game"})),
+              PromptGroup(1, "1+2=", "3", columns=json.dumps({"task": "arith"}))]
+    client = type("Client", (), {"group_failed": lambda self, *a: pytest.fail(f"group failed: {a}")})()
+    factory = TaskEnvs({"game": load_env("guess")}, "task")
+    rollouts = make_rollouts(LeaseGrant(lease_id=1, groups=groups, n_samples=2, ttl_s=60.0, version=0), cfg, engine,
+                             Sampling(temperature=1.0, max_tokens=3), client, "gen-test", Counters(), None, factory)
+    by_group = {g: [r for r in rollouts if r.group_id == g] for g in (0, 1)}
+    assert len(by_group[0]) == len(by_group[1]) == 2
+    assert all(r.env_reward is not None and r.action_mask is not None for r in by_group[0])  # episodes
+    assert all(r.env_reward is None and r.action_mask is None for r in by_group[1])  # one completion each
+    tmp = Path(tempfile.mkdtemp())
+    (tmp / "exact.py").write_text(EXACT)
+    scorer = Scorer(ScorerConfig(kinds=["reward_fn"], tasks={"game": "env", "arith": str(tmp / "exact.py")}).validate())
+    try:
+        out = scorer.score(rollouts)
+    finally:
+        scorer.close()
+    assert not any(s.failed for s in out), [s.error for s in out]
+    assert [s.reward for s in out if s.metadata["task"] == "game"] == [r.env_reward for r in by_group[0]]
