@@ -26,6 +26,7 @@ import socket
 import threading
 import time
 from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
 from typing import Sequence
 
 import numpy as np
@@ -122,6 +123,7 @@ class Scorer:
             self.parts.append((OverlongPenalty(cfg.max_new_tokens, cfg.overlong_buffer_len,
                                                cfg.overlong_penalty_factor), 1.0))
         self.limited = WarnLimiter(log, cfg.log_every_s)
+        self.pool = ThreadPoolExecutor(max(1, len(self.parts) + 2), thread_name_prefix="component")
         self.failures = Counter()  # by component name
         self.scored = 0
         self.failed = 0
@@ -138,6 +140,7 @@ class Scorer:
 
     def close(self) -> None:
         """Stop the reward function's worker process and the remote reward's connections."""
+        self.pool.shutdown(wait=False)
         if self.reward_fn is not None:
             self.reward_fn.close()
         if self.remote is not None:
@@ -154,13 +157,21 @@ class Scorer:
 
     def score(self, rollouts: Sequence[Rollout]) -> list[ScoredRollout]:
         n = len(rollouts)
-        results = {comp.name: self._component(comp.name, lambda c=comp: c.score(rollouts), n)
-                   for comp, _ in self.parts}
+        # the components side by side (one thread each): a slow one (a judge, a remote server, a
+        # verifier's worker) holds up the message by its own time only, not by the sum of all
+        jobs = {comp.name: (lambda c=comp: c.score(rollouts)) for comp, _ in self.parts}
+        jobs.update({name: (lambda m=model: m.logprobs(rollouts)) for name, model in
+                     (("reference", self.reference), ("teacher", self.teacher)) if model is not None})
+        if len(jobs) > 1:
+            futures = {name: self.pool.submit(self._component, name, fn, n) for name, fn in jobs.items()}
+            results = {name: f.result() for name, f in futures.items()}
+        else:
+            results = {name: self._component(name, fn, n) for name, fn in jobs.items()}
         ref: list = [None] * n
         teacher: list = [None] * n
-        for name, model in (("reference", self.reference), ("teacher", self.teacher)):
-            if model is not None:
-                got = self._component(name, lambda m=model: m.logprobs(rollouts), n)
+        for name in ("reference", "teacher"):
+            if name in results:
+                got = results[name]
                 lps = [None if isinstance(x, Score) else x for x in got]
                 ref, teacher = (lps, teacher) if name == "reference" else (ref, lps)
                 results[name] = [x if isinstance(x, Score) else Score(0.0) for x in got]

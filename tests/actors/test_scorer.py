@@ -403,3 +403,30 @@ def test_the_env_component_is_the_episodes_environment_reward():
     played[0].env_info = {"filter_score": 0.25, "extra/turns": 2.0}
     s = EnvReward().score(played[:2])
     assert (s[0].filter_score, s[0].extra) == (0.25, {"turns": 2.0}) and s[1].filter_score is None
+
+
+def test_components_score_a_message_side_by_side(tmp_path):
+    """A slow component (a judge, a remote server) holds a message up by its own time, not the sum:
+    two stand-in components that each wait for the other (a barrier) both finish."""
+    import threading
+
+    from actors.rewards import Score
+
+    (tmp_path / "r.py").write_text("def reward_fn(prompts, completions, labels):\n    return [1.0] * len(prompts)\n")
+    scorer = Scorer(ScorerConfig(kinds=["reward_fn"], reward_fn=str(tmp_path / "r.py")).validate())
+    barrier = threading.Barrier(2, timeout=20)
+
+    class Waits:
+        def __init__(self, name):
+            self.name = name
+
+        def score(self, rollouts):
+            barrier.wait()  # (in turn, the first would wait for a second that never started)
+            return [Score(0.5)] * len(rollouts)
+
+    scorer.parts = [(Waits("a"), 1.0), (Waits("b"), 1.0)]
+    try:
+        out = scorer.score([make_rollout("p", "c", None)])
+    finally:
+        scorer.close()
+    assert not out[0].failed and out[0].scores == {"a": 0.5, "b": 0.5} and out[0].reward == 1.0
