@@ -13,7 +13,7 @@ machine), gathered with the run's process counts in the `Demand` that the plan l
                    weights / TP, one max_model_len sequence of KV cache and ACTIVATION_GB;
                    the weight round's receive area (2 x weight_sync.bucket_mb) and a CUDA
                    context come on top of the share
-    scorer         reward model + reference model (scorer.dtype) + ACTIVATION_GB + CONTEXT_GB
+    scorer         reward model + reference model + teacher (scorer.dtype) + ACTIVATION_GB + CONTEXT_GB
 """
 
 from __future__ import annotations
@@ -196,7 +196,7 @@ def demand_of(run) -> Demand:
     scorer = 0.0
     sparts = ""
     if gpu_scorers:
-        for kind, folder in (("reward model", s.reward_model), ("reference", s.reference)):
+        for kind, folder in (("reward model", s.reward_model), ("reference", s.reference), ("teacher", s.teacher)):
             if folder:
                 size = model_size(folder) or model_size(l.model_path, r.model_params_b)  # (absent: the policy's size)
                 if size is None:

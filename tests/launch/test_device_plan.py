@@ -274,3 +274,17 @@ def test_the_8_gpu_example_plans_and_a_70b_policy_is_refused():
     assert "generator-0" in out.stdout and "CUDA_VISIBLE_DEVICES=" in out.stdout
     big = run_plan("examples/gpu_ppo_llama3_8b.yaml", "--run.model_params_b", "70")
     assert big.returncode == 2 and "does not fit" in big.stderr and "GiB" in big.stderr
+
+
+def test_a_gpu_scorers_teacher_is_in_its_memory_budget(quick_start_files, tmp_path):
+    """On-policy distillation's teacher lives in the scorer: its weights count in the scorer's share."""
+    from launch.devices.memory import demand_of
+    from launch.run_config import load_run_config
+
+    base = ["--learner.model_path", quick_start_files["model"], "--buffer.prompts", quick_start_files["prompts"],
+            "--scorer.device", "cuda", "--scorer.reward_fn", REWARD]
+    plain = demand_of(load_run_config(None, base))
+    distill = demand_of(load_run_config(None, [*base, "--scorer.kinds", "reward_fn,teacher", "--scorer.teacher",
+                                               quick_start_files["model"], "--learner.distill_coef", "1"]))
+    assert "teacher" in distill.scorer_parts and "teacher" not in plain.scorer_parts
+    assert distill.scorer_gb > plain.scorer_gb
