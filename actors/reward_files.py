@@ -196,11 +196,12 @@ def _worker(path: str, conn, options: dict | None = None) -> None:
             spec.loader.exec_module(module)
             found = [(getattr(module, name), kind) for name, kind in FUNCTIONS.items()
                      if callable(getattr(module, name, None))]
-            if options and not callable(getattr(module, "configure", None)):
+            configure = getattr(module, "configure", None)
+            if callable(configure):
+                configure(dict(options or {}))
+            elif options:
                 raise TypeError(f"scorer.reward_fn_options {sorted(options)} given, but the file defines no "
                                 f"configure(options) to take them")
-            if callable(getattr(module, "configure", None)):
-                module.configure(dict(options or {}))
         except Exception as e:
             conn.send_bytes(msgpack.packb({"error": f"{type(e).__name__}: {e}"}))
             return

@@ -10,12 +10,12 @@
 (actors/reward_files.py: its own process, timeout and restarts, so a slow verifier stalls only its
 own task's samples' call), each called once per message with its task's samples, the answers put
 back in order. A row without a task, or with one `tasks` does not name and no `reward_fn` default,
-fails its sample with the reason (the buffer drops its group and counts it). The task travels in
-the sample's metadata (`buffer.rules.TASK`). The generator's side is `TaskEnvs`: each row's task may
-name the environment its samples play (generator.task_envs), scored by `env` here. The task travels in
-the sample's metadata, from which the learner logs `task/<name>/...` per step
-(reward mean, pass rate: the share of samples with a reward above 0, completion length, samples)
-and the evaluation its `eval/<name>/...` (buffer/eval.py).
+fails its sample with the reason (the buffer drops its group and counts it). The generator's side
+is `TaskEnvs`: each row's task may name the environment its samples play (generator.task_envs),
+scored by `env` here. The task travels in the sample's metadata (`buffer.rules.TASK`), from which the
+learner logs `task/<name>/...` per step (reward mean, pass rate: the share of samples with a reward
+above 0, completion length, the task's share of the samples) and the evaluation its
+`eval/<name>/...` (buffer/eval.py).
 """
 
 from __future__ import annotations

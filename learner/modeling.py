@@ -127,20 +127,19 @@ def next_token_stats(model, input_ids: torch.Tensor, attention_mask: torch.Tenso
 
     `sp` (a `learner.sequence_parallel.SequenceParallel`): the rows' positions are shared by the
     ranks of its group, each running its slice; the results are whole on every rank."""
+    unpack = None if packed is None else packed.unpack_next
     if sp is not None:
         ids, pos = (input_ids, None) if packed is None else (packed.input_ids, packed.position_ids)
         logprobs, ent = sp.token_stats(model, ids, pos, temperature, entropy)
-        if packed is not None:
-            logprobs, ent = packed.unpack_next(logprobs), (packed.unpack_next(ent) if ent is not None else None)
-        return logprobs, ent
-    if packed is None:
-        logits = next_token_logits(model, input_ids, attention_mask)  # (B, L-1, V)
-        labels, unpack = input_ids[:, 1:], None
     else:
-        logits = next_token_logits(model, packed.input_ids, position_ids=packed.position_ids)  # (R, C-1, V)
-        labels, unpack = packed.input_ids[:, 1:], packed.unpack_next
-    logprobs = gather_logprobs(logits, labels, temperature)
-    ent = entropy_from_logits(logits / temperature) if entropy else None
+        if packed is None:
+            logits = next_token_logits(model, input_ids, attention_mask)  # (B, L-1, V)
+            labels = input_ids[:, 1:]
+        else:
+            logits = next_token_logits(model, packed.input_ids, position_ids=packed.position_ids)  # (R, C-1, V)
+            labels = packed.input_ids[:, 1:]
+        logprobs = gather_logprobs(logits, labels, temperature)
+        ent = entropy_from_logits(logits / temperature) if entropy else None
     if unpack is not None:
         logprobs = unpack(logprobs)
         ent = unpack(ent) if ent is not None else None

@@ -48,7 +48,7 @@ import torch.distributed as dist
 
 from buffer.client import BufferClient
 from common.ready import mark_ready
-from learner.advantages import advantages_and_returns, stop_properly_penalty
+from learner.advantages import advantages_and_returns, stop_properly_penalty, whiten
 from learner.batching import (
     TrainBatch,
     buffer_stats,
@@ -352,11 +352,8 @@ def distill_advantages(cfg: LearnerConfig, tb: TrainBatch, mask: torch.Tensor, s
                          f"rollouts carry none: run a scorer of kind `teacher` (scorer.teacher)")
     gap = (tb.teacher_logprobs - tb.prox_logprobs) * mask  # (B, T): log teacher - log pi_old
     term = gap
-    if cfg.distill_baseline == "mean":
-        s = torch.stack([gap.sum(), mask.sum()]).double()
-        if world > 1:
-            s = all_reduce_sum(s)
-        term = (gap - (s[0] / s[1].clamp_min(1.0)).to(gap.dtype)) * mask
+    if cfg.distill_baseline == "mean":  # the step's mean over every rank's sampled tokens taken off
+        term = whiten(gap, mask, all_reduce_sum if world > 1 else None, std_norm=False)
     tb.advantages = tb.advantages + cfg.distill_coef * term
     return {"distill/reverse_kl": float(masked_mean(-gap, mask)),
             "distill/advantage_mean": float(masked_mean(cfg.distill_coef * term, mask))}

@@ -38,6 +38,12 @@ def test_the_advantage_gains_coef_times_teacher_minus_student_on_sampled_tokens(
     gaps = [-(t + 1.0) for t in (-0.5, -1.0, -2.0, -0.1, -3.0, -0.2)]  # log pi_old - log teacher
     assert m["distill/reverse_kl"] == pytest.approx(sum(gaps) / 6)
     assert distill_advantages(LearnerConfig(), tb, mask, 0) == {}  # off: nothing added
+    # the mean baseline: the term's mean over the sampled tokens taken off first
+    before = tb.advantages.clone()
+    distill_advantages(LearnerConfig(distill_coef=0.5, distill_baseline="mean"), tb, mask, step=0)
+    terms = [t + 1.0 for t in (-0.5, -1.0, -2.0, -0.1, -3.0, -0.2)]
+    mean = sum(terms) / len(terms)
+    assert (tb.advantages - before)[mask].tolist() == pytest.approx([0.5 * (t - mean) for t in terms])
     tb.teacher_logprobs = None
     with pytest.raises(ValueError, match="distill_coef=0.5 needs teacher_logprobs.*kind `teacher`"):
         distill_advantages(cfg, tb, mask, step=3)
