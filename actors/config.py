@@ -56,6 +56,10 @@ class GeneratorConfig(WeightSyncAddress, BufferAddress):
     """The learner trains LoRA adapters of this rank (tied from learner.lora_rank): weight rounds
     then carry only the adapter, which vLLM serves with its LoRA support on (the CPU build too)
     and the transformers backend merges into its weights. 0: rounds carry the full weights."""
+    record_routes: bool = False
+    """vLLM, a mixture-of-experts policy: record the experts every token is routed to and send them
+    with the rollout (tied from learner.routing_replay=rollout). The engine then runs without
+    prefix caching (a cached prefix is never routed again). Single-turn rollouts only."""
     async_engine: bool = False
     """vLLM: drive vLLM's `AsyncLLM` from a background thread instead of the offline `LLM`. Needed
     for `weight_sync.mode: interrupt`: the generator keeps polling the weight-sync service while a
@@ -166,6 +170,10 @@ class GeneratorConfig(WeightSyncAddress, BufferAddress):
         if unknown:
             errs.append(f"generator.task_env_args names {unknown}, which generator.task_envs does not "
                         f"({sorted(self.task_envs)})")
+        if self.record_routes and (self.engine != "vllm" or self.env or self.agent or self.task_envs):
+            errs.append("generator.record_routes (learner.routing_replay=rollout) needs generator.engine='vllm' and "
+                        "single-turn samples (no env, task_envs or agent): an episode's turns are separate requests, "
+                        "whose routes are not joined")
         if self.engine == "vllm" and self.lora_rank > 512:
             errs.append(f"generator.lora_rank={self.lora_rank} (learner.lora_rank): vLLM serves LoRA adapters "
                         f"up to rank 512")

@@ -215,8 +215,14 @@ def make_rollouts(grant: LeaseGrant, cfg: GeneratorConfig, engine: Engine, sampl
     counts.generate_s += time.monotonic() - t0
     rollouts = []
     for g, ids, comps, budget in zip(groups, prompt_ids, completions, budgets):
+        comps = [cut(c, budget, engine.tokenizer, len(ids)) for c in comps]
+        if cfg.record_routes and any(c.routes is None for c in comps):
+            counts.refused += 1
+            why = "routing replay: the engine recorded no routes for a completion of this group"
+            log.error("group %d: %s", g.group_id, why)
+            client.group_failed(grant.lease_id, g.group_id, why)
+            continue
         for j, c in enumerate(comps):
-            c = cut(c, budget, engine.tokenizer)
             t = len(c.token_ids)
             rollouts.append(Rollout(
                 group_id=g.group_id, sample_index=j, lease_id=grant.lease_id,
@@ -226,7 +232,7 @@ def make_rollouts(grant: LeaseGrant, cfg: GeneratorConfig, engine: Engine, sampl
                 versions=(np.full(t, version, dtype=ID_DTYPE) if c.versions is None
                           else np.asarray(c.versions, dtype=ID_DTYPE)),  # (T,) non-decreasing
                 prompt=g.prompt, completion=c.text, label=g.label, columns=g.columns,
-                finish_reason=c.finish_reason, worker_id=worker_id,
+                finish_reason=c.finish_reason, worker_id=worker_id, **route_fields(c.routes),
             ))
             counts.tokens += t
         counts.samples += len(comps)
@@ -234,14 +240,23 @@ def make_rollouts(grant: LeaseGrant, cfg: GeneratorConfig, engine: Engine, sampl
     return rollouts
 
 
-def cut(c: Completion, budget: int, tokenizer) -> Completion:
+def cut(c: Completion, budget: int, tokenizer, prompt_len: int = 0) -> Completion:
     """A completion sampled with a larger max_tokens, ended where its own budget ends (generator.max_len):
     sampling stops at the budget the same way (each token depends on those before it only)."""
     if len(c.token_ids) <= budget:
         return c
     return Completion(c.token_ids[:budget], c.logprobs[:budget], "length",
                       tokenizer.decode(c.token_ids[:budget], skip_special_tokens=True),
-                      None if c.versions is None else c.versions[:budget])
+                      None if c.versions is None else c.versions[:budget],
+                      routes=None if c.routes is None else c.routes[:prompt_len + budget - 1])
+
+
+def route_fields(routes) -> dict:
+    """A completion's routes ((P+T-1, layers, k) expert ids) as `Rollout` fields; none: {}."""
+    if routes is None:
+        return {}
+    return {"routes": routes.tobytes(), "route_layers": routes.shape[1], "route_k": routes.shape[2],
+            "route_width": routes.dtype.itemsize}
 
 
 def _give_up(grant: LeaseGrant, groups, client: BufferClient, counts: Counters, why: str) -> list[Rollout]:

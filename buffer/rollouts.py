@@ -22,6 +22,7 @@ MAX_TOKENS = 1 << 20  # length of any one packed array
 MAX_STR = 4 << 20  # prompt/completion text, error messages (characters)
 MAX_ITEMS = 1 << 16  # prompt groups in a lease, entries in a metrics map
 MAX_ID = 2**62
+MAX_ROUTE_BYTES = 64 << 20  # a rollout's routes (a frame is at most as large: buffer.messages.Limits)
 
 # --------------------------------------------------------------------------------------------
 # field types: what a field accepts off the wire (a packed array field also names its dtype)
@@ -33,6 +34,9 @@ Seconds = Annotated[float, Meta(ge=0.0, le=1e9)]  # NaN fails `ge`
 Ids = Annotated[memoryview, Meta(max_length=MAX_TOKENS * ID_DTYPE.itemsize), ID_DTYPE]  # (T,) int32
 LogProbs = Annotated[memoryview, Meta(max_length=MAX_TOKENS * LOGPROB_DTYPE.itemsize), LOGPROB_DTYPE]  # (T,) f32
 Mask = Annotated[memoryview, Meta(max_length=MAX_TOKENS), MASK_DTYPE]  # (T,) uint8, 0 or 1
+# A mixture-of-experts rollout's routes: (P+T-1, layers, k) expert ids, uint8 or uint16 (`route_width`
+# bytes each), packed; left as bytes (their shape is the rollout's, read by `Rollout.route_array`)
+Routes = Annotated[memoryview, Meta(max_length=MAX_ROUTE_BYTES)]
 Numbers = Annotated[dict[str, float], Meta(max_length=MAX_ITEMS)]
 Scalars = Annotated[dict[str, Union[int, float, str, bool, None]], Meta(max_length=MAX_ITEMS)]
 
@@ -87,6 +91,22 @@ def _decoded_and_whole(r: "Rollout") -> bool:
         and (m is None or m.nbytes == t)
 
 
+def _routes_ok(r: "Rollout") -> str:
+    """Why a rollout's routes do not fit it ("" if they do, or if it has none)."""
+    if r.routes is None:
+        return ""
+    n = r.routes.nbytes if type(r.routes) is memoryview else len(r.routes)
+    rows = len(r.prompt_ids) + len(r.completion_ids) - 1 if type(r.prompt_ids) is not memoryview \
+        else (r.prompt_ids.nbytes + r.completion_ids.nbytes) // _ID - 1
+    if r.route_layers < 1 or r.route_k < 1:
+        return f"route_layers={r.route_layers} and route_k={r.route_k} must be >= 1 with routes"
+    want = rows * r.route_layers * r.route_k * r.route_width
+    if n != want:
+        return (f"{n} bytes, not the {want} of {rows} tokens x {r.route_layers} layers x {r.route_k} experts "
+                f"x {r.route_width} bytes (every token but the last, prompt included)")
+    return ""
+
+
 def _same_length(obj: Struct, names: tuple[str, ...], t: int) -> None:
     for name in names:
         v = getattr(obj, name)
@@ -124,8 +144,18 @@ class Rollout(Struct):
     # "filter_score" (its `scores`, judged by dynamic filtering) and "extra/<name>" (its `extra_logs`)
     env_info: Annotated[dict[str, float], Meta(max_length=64)] = {}
     columns: Text = ""  # the prompt's dataset row's other columns, a JSON object, for reward functions
+    # A mixture-of-experts engine's routes (routing replay): the experts each token but the last of
+    # prompt + completion was routed to in each MoE layer, for the learner's forwards to reuse
+    routes: Routes | None = None
+    route_layers: Annotated[int, Meta(ge=0, le=4096)] = 0
+    route_k: Annotated[int, Meta(ge=0, le=256)] = 0
+    route_width: Annotated[int, Meta(ge=1, le=2)] = 1  # bytes per expert id: 1 (< 256 experts) or 2
 
     def __post_init__(self) -> None:
+        if self.routes is not None:
+            why = _routes_ok(self)
+            if why:
+                raise ProtocolError("routes", why)
         if _decoded_and_whole(self):  # (the hot path: a frame just decoded, well formed)
             self.prompt_ids = _frombuffer(self.prompt_ids, ID_DTYPE)
             self.completion_ids = _frombuffer(self.completion_ids, ID_DTYPE)
@@ -149,6 +179,13 @@ class Rollout(Struct):
             return only, only
         every = _frombuffer(b, ID_DTYPE)
         return int(every.min()), int(every.max())
+
+    def route_array(self) -> np.ndarray | None:
+        """(P+T-1, layers, k) expert ids of the routes (a view over their bytes), or None."""
+        if self.routes is None:
+            return None
+        flat = np.frombuffer(self.routes, np.uint8 if self.route_width == 1 else np.dtype("<u2"))
+        return flat.reshape(-1, self.route_layers, self.route_k)
 
     @property
     def min_version(self) -> int:
@@ -188,7 +225,7 @@ class _Refused(ValueError):
 
 class _CheckedRollout(Rollout):
     def __post_init__(self) -> None:
-        if not _decoded_and_whole(self):
+        if not _decoded_and_whole(self) or _routes_ok(self):
             raise _Refused
 
 

@@ -1,7 +1,9 @@
-"""A tiny Llama and a character-level tokenizer, written to a folder on the fly.
+"""A tiny Llama (or a tiny Qwen3-MoE) and a character-level tokenizer, written to a folder on the fly.
 
 Nothing can be downloaded at run time, so tests, benchmarks and the demo build their model here.
 The folder loads like any hub model: `AutoModelForCausalLM`, `AutoTokenizer` and vLLM.
+`family="qwen3_moe"` builds a mixture of experts (Qwen3-MoE: `num_experts` experts per layer, the
+top `experts_per_token` of them per token, no shared expert), the class Qwen3-30B-A3B belongs to.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ SPECIAL_TOKENS = [PAD, BOS, EOS, UNK]
 CHARACTERS = list(string.digits + "+-*/=()<>.,:;?!'\"_#%&" + string.ascii_lowercase + string.ascii_uppercase + " \n")
 # vLLM's CPU attention accepts head_dim 64 (not 16), so heads = hidden / 64.
 HEAD_DIM = 64
+FAMILIES = ("llama", "qwen3_moe")
 
 
 def vocab() -> dict[str, int]:
@@ -59,15 +62,23 @@ def build_tiny_model(
     max_position_embeddings: int = 512,
     seed: int = 0,
     dtype: str = "float32",
+    family: str = "llama",
+    num_experts: int = 8,
+    experts_per_token: int = 2,
+    moe_intermediate_size: int | None = None,
 ) -> Path:
-    """Write a seeded random Llama and its tokenizer to `path`; return the folder.
+    """Write a seeded random Llama (or Qwen3-MoE) and its tokenizer to `path`; return the folder.
 
     The same arguments give the same weights (byte for byte), so two processes that each call this
     agree without talking. `hidden_size` must be a multiple of 64 (vLLM's CPU attention).
+    A Qwen3-MoE's experts are `moe_intermediate_size` wide (default hidden / 2): its active MLP per
+    token is `experts_per_token` of them, as wide as a Llama built with intermediate_size =
+    experts_per_token * moe_intermediate_size (the dense model of the same active size).
     """
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
 
+    if family not in FAMILIES:
+        raise ValueError(f"family={family!r}: one of {FAMILIES}")
     if hidden_size % HEAD_DIM:
         raise ValueError(f"hidden_size={hidden_size} must be a multiple of {HEAD_DIM} (head_dim {HEAD_DIM})")
     path = Path(path)
@@ -77,7 +88,19 @@ def build_tiny_model(
     # Exactly the tokenizer's size: an id the tokenizer cannot decode would break detokenisation.
     vocab_size = len(v)
     heads = hidden_size // HEAD_DIM
-    config = LlamaConfig(
+    if family == "qwen3_moe":
+        from transformers import Qwen3MoeConfig as Config
+        from transformers import Qwen3MoeForCausalLM as Model
+
+        extra = dict(num_experts=num_experts, num_experts_per_tok=experts_per_token, norm_topk_prob=True,
+                     moe_intermediate_size=moe_intermediate_size or hidden_size // 2, decoder_sparse_step=1,
+                     mlp_only_layers=[], router_aux_loss_coef=0.0)
+    else:
+        from transformers import LlamaConfig as Config
+        from transformers import LlamaForCausalLM as Model
+
+        extra = {}
+    config = Config(
         vocab_size=vocab_size,
         hidden_size=hidden_size,
         intermediate_size=intermediate_size or 2 * hidden_size,
@@ -92,15 +115,17 @@ def build_tiny_model(
         bos_token_id=v[BOS],
         eos_token_id=v[EOS],
         torch_dtype=dtype,
+        **extra,
     )
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        model = LlamaForCausalLM(config)
+        model = Model(config)
     model = model.to(getattr(torch, dtype))
     model.save_pretrained(path, safe_serialization=True)
     tokenizer.save_pretrained(path)
     # generation_config.json from save_pretrained carries the special ids; vLLM reads it for defaults.
-    meta = {"builder": "conveyor.demo.tiny_model", "seed": seed, "num_layers": num_layers, "hidden_size": hidden_size}
+    meta = {"builder": "conveyor.demo.tiny_model", "family": family, "seed": seed, "num_layers": num_layers,
+            "hidden_size": hidden_size}
     (path / "conveyor_tiny.json").write_text(json.dumps(meta, indent=2) + "\n")
     return path
 
@@ -108,13 +133,17 @@ def build_tiny_model(
 def main(argv: list[str] | None = None) -> None:
     import argparse
 
-    p = argparse.ArgumentParser(description="Write the tiny Llama and character tokenizer to a folder.")
+    p = argparse.ArgumentParser(description="Write the tiny Llama (or Qwen3-MoE) and character tokenizer to a folder.")
     p.add_argument("path")
     p.add_argument("--num-layers", type=int, default=2)
     p.add_argument("--hidden-size", type=int, default=128)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--family", choices=FAMILIES, default="llama")
+    p.add_argument("--num-experts", type=int, default=8, help="qwen3_moe: experts per layer")
+    p.add_argument("--experts-per-token", type=int, default=2, help="qwen3_moe: experts each token is routed to")
     a = p.parse_args(argv)
-    print(build_tiny_model(a.path, num_layers=a.num_layers, hidden_size=a.hidden_size, seed=a.seed))
+    print(build_tiny_model(a.path, num_layers=a.num_layers, hidden_size=a.hidden_size, seed=a.seed, family=a.family,
+                           num_experts=a.num_experts, experts_per_token=a.experts_per_token))
 
 
 if __name__ == "__main__":

@@ -225,6 +225,8 @@ def finish(run: Run, explicit: dict | None = None, paths: bool = True) -> None:
     b.curve = w.curve = "on" if secure else "off"  # (one decision: every role holds the same keys or none)
     if not is_set(explicit, "generator.lora_rank"):
         g.lora_rank = l.lora_rank  # the generator serves the adapters the learner trains
+    if not is_set(explicit, "generator.record_routes"):
+        g.record_routes = l.routing_replay != "off"  # the learner replays the routes the generators record
     if not is_set(explicit, "scorer.max_new_tokens"):
         s.max_new_tokens = g.max_new_tokens
     if not is_set(explicit, "learner.temperature"):

@@ -36,6 +36,9 @@ class TrainBatch:
     truncated: torch.Tensor  # (B,) bool, the generator stopped at its length limit (finish_reason "length")
     ref_logprobs: torch.Tensor | None = None  # (B, T) float32 under the reference, when scored
     teacher_logprobs: torch.Tensor | None = None  # (B, T) float32 under a teacher, when scored
+    # (B, L, layers, k) int16: the experts the engine routed each token to (rollouts that carry
+    # routes, for routing replay: learner.moe), -1 where unknown (each row's last token, padding)
+    routes: torch.Tensor | None = None
     # ---- filled in by the trainer -------------------------------------------------------------
     prox_logprobs: torch.Tensor | None = None  # (B, T) log pi_old, no grad
     old_values: torch.Tensor | None = None  # (B, T) critic at the start of the step
@@ -62,7 +65,7 @@ class TrainBatch:
                 out[f.name] = None
             elif v.dim() == 1:
                 out[f.name] = v[idx]
-            elif f.name in ("input_ids", "attention_mask"):
+            elif f.name in ("input_ids", "attention_mask", "routes"):
                 out[f.name] = v[idx, :L]
             else:
                 out[f.name] = v[idx, : L - 1]
@@ -121,7 +124,27 @@ def to_train_batch(scored: list[ScoredRollout], pad_id: int = 0) -> TrainBatch:
         if all(has_ref) else None,
         teacher_logprobs=_scatter([s.teacher_logprobs for s in scored], completion_mask, 0.0, torch.float32)
         if all(has_teacher) else None,
+        routes=_routes(scored, input_ids.shape[1]),
     )
+
+
+def _routes(scored: list[ScoredRollout], length: int) -> torch.Tensor | None:
+    """(B, L, layers, k) int16 of the rollouts' routes, -1 where none; None when no rollout has any."""
+    has = [s.rollout.routes is not None for s in scored]
+    if not any(has):
+        return None
+    if not all(has):
+        r = scored[has.index(False)].rollout
+        raise ValueError(f"{sum(has)} of {len(scored)} rollouts carry routes, not group {r.group_id} sample "
+                         f"{r.sample_index} (from {r.worker_id or 'a generator'}): all or none must")
+    arrays = [s.rollout.route_array() for s in scored]
+    shapes = {a.shape[1:] for a in arrays}
+    if len(shapes) > 1:
+        raise ValueError(f"the rollouts' routes differ in layers x experts per token: {sorted(shapes)}")
+    out = torch.full((len(scored), length, *arrays[0].shape[1:]), -1, dtype=torch.int16)
+    for i, a in enumerate(arrays):
+        out[i, : len(a)] = torch.from_numpy(a.astype(np.int16))
+    return out
 
 
 def split_evenly(idx: torch.Tensor, n: int) -> list[torch.Tensor]:

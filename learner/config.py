@@ -274,7 +274,18 @@ class LearnerConfig(OptimConfig, WeightSyncAddress, BufferAddress):
     aux_loss_coef: float = Field(0.0, ge=0)
     """Weight of a mixture-of-experts model's router load-balancing loss (its forward's aux_loss,
     asked for with output_router_logits) in the policy loss; 0: off. A model without a router is
-    refused at start."""
+    refused at start. Off by default, as for RL it should be: the loss pulls the router toward an
+    even load whatever the reward says, which moves the policy away from the one that sampled the
+    rollouts (see docs/moe.md)."""
+    routing_replay: Literal["off", "rollout"] = "off"
+    """A mixture-of-experts policy: `rollout` makes the learner's forwards (pi_old and the trained
+    policy alike) route every token to the experts the generator's engine routed it to (the
+    rollout carries them: the generators record them), so that training and inference run the
+    same experts ("R3"); the router's weights still get the gradient of the chosen experts'
+    weights. `off`: the learner's router chooses, as it does today. docs/moe.md."""
+    freeze_router: bool = False
+    """A mixture-of-experts policy: keep the routers' weights as they are (no gradient, not in
+    the optimizer); the experts and everything else train."""
     max_tokens_per_micro_batch: int = Field(0, ge=0)
     """Cut each mini-batch into micro-batches by tokens: the fewest (at least
     gradient_accumulation_steps, the same number on every rank) whose forward holds at most this
@@ -292,6 +303,9 @@ class LearnerConfig(OptimConfig, WeightSyncAddress, BufferAddress):
         if self.sequence_parallel > 1 and self.aux_loss_coef:
             errs.append(f"learner.sequence_parallel={self.sequence_parallel} with aux_loss_coef={self.aux_loss_coef}: "
                         f"the router loss is not computed over sequences split across ranks; set one of them off")
+        if self.sequence_parallel > 1 and self.routing_replay != "off":
+            errs.append(f"learner.sequence_parallel={self.sequence_parallel} with routing_replay="
+                        f"{self.routing_replay!r}: routes are not split across ranks; set one of them off")
         if self.behav_low >= self.behav_high:
             errs.append(f"learner.behav_low={self.behav_low}, behav_high={self.behav_high}: need 0 <= low < high")
         errs += self.openrlhf_knob_problems()

@@ -188,8 +188,14 @@ def load_trainable_lm(path: str, gradient_checkpointing: bool = False) -> nn.Mod
 
 def build_policy_engine(cfg: LearnerConfig):
     """The policy (any AutoModelForCausalLM folder) wrapped in a DeepSpeed engine with AdamW
-    (with LoRA adapters, the only trainable parameters, when cfg.lora_rank > 0)."""
-    return build_engine(load_trainable_lm(cfg.model_path, cfg.gradient_checkpointing), cfg)
+    (with LoRA adapters, the only trainable parameters, when cfg.lora_rank > 0). A mixture of
+    experts with `freeze_router` keeps its routers as they are."""
+    model = load_trainable_lm(cfg.model_path, cfg.gradient_checkpointing)
+    if cfg.freeze_router:
+        from learner.moe import freeze_routers
+
+        freeze_routers(model)
+    return build_engine(model, cfg)
 
 
 class ValueModel(nn.Module):

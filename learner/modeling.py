@@ -116,7 +116,7 @@ def token_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor 
 
 def next_token_stats(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, temperature: float = 1.0,
                      packed: PackedRows | None = None, entropy: bool = False,
-                     sp=None) -> tuple[torch.Tensor, torch.Tensor | None]:
+                     sp=None, routes: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-probs (B, L-1) of every next token of a right-padded (B, L) batch and, with `entropy`,
     the entropy (B, L-1) of each prediction at `temperature` (grad flows through both).
 
@@ -126,24 +126,34 @@ def next_token_stats(model, input_ids: torch.Tensor, attention_mask: torch.Tenso
     Only per-token results are unpacked, never the (., ., V) logits.
 
     `sp` (a `learner.sequence_parallel.SequenceParallel`): the rows' positions are shared by the
-    ranks of its group, each running its slice; the results are whole on every rank."""
+    ranks of its group, each running its slice; the results are whole on every rank.
+
+    `routes` (B, L, layers, k): a mixture-of-experts policy's forward routes each token to these
+    experts (routing replay) and measures its routers (`learner.moe.routing`)."""
+    from learner.moe import routing
+
     unpack = None if packed is None else packed.unpack_next
-    if sp is not None:
+    if sp is None:
+        with routing(model, routes, attention_mask, packed):
+            logprobs, ent = _token_stats(model, input_ids, attention_mask, temperature, packed, entropy)
+    else:
         ids, pos = (input_ids, None) if packed is None else (packed.input_ids, packed.position_ids)
         logprobs, ent = sp.token_stats(model, ids, pos, temperature, entropy)
-    else:
-        if packed is None:
-            logits = next_token_logits(model, input_ids, attention_mask)  # (B, L-1, V)
-            labels = input_ids[:, 1:]
-        else:
-            logits = next_token_logits(model, packed.input_ids, position_ids=packed.position_ids)  # (R, C-1, V)
-            labels = packed.input_ids[:, 1:]
-        logprobs = gather_logprobs(logits, labels, temperature)
-        ent = entropy_from_logits(logits / temperature) if entropy else None
     if unpack is not None:
         logprobs = unpack(logprobs)
         ent = unpack(ent) if ent is not None else None
     return logprobs, ent
+
+
+def _token_stats(model, input_ids, attention_mask, temperature, packed, entropy):
+    if packed is None:
+        logits = next_token_logits(model, input_ids, attention_mask)  # (B, L-1, V)
+        labels = input_ids[:, 1:]
+    else:
+        logits = next_token_logits(model, packed.input_ids, position_ids=packed.position_ids)  # (R, C-1, V)
+        labels = packed.input_ids[:, 1:]
+    logprobs = gather_logprobs(logits, labels, temperature)
+    return logprobs, entropy_from_logits(logits / temperature) if entropy else None
 
 
 @torch.no_grad()

@@ -75,7 +75,7 @@ from learner.lora import adapter_disabled, adapter_spec, is_lora
 from learner.losses import aggregate, behaviour_correction, gspo_loss, kl_penalty, policy_loss, value_loss
 from learner.metrics import MetricsWriter, reduce_across_ranks
 from learner.modeling import masked_mean, next_token_stats
-from learner.moe import RouterAuxLoss
+from learner.moe import RouterAuxLoss, Routers
 from learner.packing import PackedRows
 from learner.sequence_parallel import SequenceParallel
 from learner.source import due, evaluate, fetch_batch, handshake, step_group_ids, tell_version
@@ -113,6 +113,7 @@ def train_rank(cfg: LearnerConfig, source, rank: int, world: int, device: torch.
     if sp is not None:
         sp.check_model(policy.module.config)
     aux = RouterAuxLoss(policy, cfg.aux_loss_coef, cfg.model_path) if cfg.aux_loss_coef else None
+    routers = Routers.attach(policy, cfg.routing_replay)  # (None for a dense policy)
     critic = build_critic_engine(cfg) if cfg.advantage_estimator == "gae" else None
     pad_id = policy.module.config.pad_token_id or 0
 
@@ -163,7 +164,11 @@ def train_rank(cfg: LearnerConfig, source, rank: int, world: int, device: torch.
 
             tb = to_train_batch(batch.scored, pad_id).to(device)
             t1 = time.monotonic()
+            if cfg.routing_replay != "off" and tb.routes is None:
+                raise ValueError(f"learner.routing_replay={cfg.routing_replay!r}, but step {step}'s rollouts carry no "
+                                 "routes: the generators must record them (generator.record_routes)")
             metrics = train_step(kl_ctl.step_config(cfg), policy, critic, tb, step, world, ema, aux, sp)
+            metrics.update(routers.metrics() if routers else {})
             metrics.update(kl_ctl.after_step(cfg, metrics, world, device))  # before a checkpoint keeps it
             t_train = time.monotonic() - t1
             trained_step, step = step, step + 1  # the weights are now version `step`
@@ -294,7 +299,8 @@ def prepare_step(cfg: LearnerConfig, policy, critic, tb: TrainBatch, step: int, 
     # 2. pi_old: the weights at the start of the step, no grad (and the critic's values)
     chunks, longest = forward_chunks(cfg, tb.attention_mask.sum(-1).tolist(), n_chunks, tb.input_ids.device)
     tb.prox_logprobs = forward_in_chunks(lambda mb: next_token_stats(
-        policy, mb.input_ids, mb.attention_mask, cfg.temperature, packed_rows(cfg, mb, longest), sp=sp)[0], tb, chunks)
+        policy, mb.input_ids, mb.attention_mask, cfg.temperature, packed_rows(cfg, mb, longest), sp=sp,
+        routes=mb.routes)[0], tb, chunks)
     if critic is not None:
         tb.old_values = forward_in_chunks(
             lambda mb: critic_values(critic, mb, packed_rows(cfg, mb, longest), sp), tb, chunks)
@@ -365,7 +371,7 @@ def policy_micro_loss(cfg: LearnerConfig, policy, mb: TrainBatch, packed: Packed
     """One micro-batch's policy loss (PPO + the KL and entropy terms the config asks for), with grad,
     and its metrics. `packed`: run the forward on mb's packed rows (`mb.packed_rows()`)."""
     logprobs, entropy = next_token_stats(policy, mb.input_ids, mb.attention_mask, cfg.temperature, packed,
-                                         entropy=cfg.entropy_coef > 0, sp=sp)  # (b, t) each
+                                         entropy=cfg.entropy_coef > 0, sp=sp, routes=mb.routes)  # (b, t) each
     if cfg.policy_loss == "gspo":
         base = mb.behav_logprobs if cfg.gspo_ratio == "behav" else mb.prox_logprobs
         pg_loss, pg = gspo_loss(logprobs, base, mb.advantages, mb.loss_mask, cfg.clip_eps_low, cfg.clip_eps_high,

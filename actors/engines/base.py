@@ -57,6 +57,9 @@ class Completion:
     # start of the batch
     versions: list[int] | None = None
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it; None: eos or length
+    # (P+T-1, layers, k) uint8/uint16 numpy: the experts a mixture-of-experts engine routed each token
+    # of prompt + completion but the last to, from an engine that records them (record_routes); else None
+    routes: Any = None
 
 
 class Engine(ABC):

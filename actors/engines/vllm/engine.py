@@ -47,9 +47,10 @@ def extension_available(dotted: str) -> bool:
 
 def _vllm_kwargs(model: str, tokenizer: str, dtype: str, seed: int, tensor_parallel_size: int,
                  gpu_memory_utilization: float, max_model_len: int, worker_extension: str,
-                 lora_rank: int = 0) -> dict[str, Any]:
+                 lora_rank: int = 0, record_routes: bool = False) -> dict[str, Any]:
     """Engine arguments shared by `LLM` and `AsyncLLM`: eager mode, processed log-probs, the worker
-    extension that receives weights (when its module exists), LoRA for adapters up to `lora_rank`."""
+    extension that receives weights (when its module exists), LoRA for adapters up to `lora_rank`,
+    no prefix caching when the engine records routes (`actors.engines.vllm.routes`)."""
     if not gpu_memory_utilization:
         # Ask vLLM's own platform, never torch.cuda.is_available() before vllm is imported: without
         # PYTORCH_NVML_BASED_CUDA_CHECK=1 that call initialises the CUDA driver (torch/cuda/__init__.py,
@@ -74,6 +75,10 @@ def _vllm_kwargs(model: str, tokenizer: str, dtype: str, seed: int, tensor_paral
             raise ValueError(f"lora_rank={lora_rank}: vLLM serves adapters up to rank {VLLM_LORA_RANKS[-1]}")
         # one adapter (the policy), updated in place; max_lora_rank takes a few values: the next one up
         kwargs.update(enable_lora=True, max_loras=1, max_lora_rank=min(r for r in VLLM_LORA_RANKS if r >= lora_rank))
+    if record_routes:
+        if not extension_available(worker_extension):
+            raise ValueError(f"generator.record_routes needs the worker extension ({worker_extension!r} not found)")
+        kwargs["enable_prefix_caching"] = False  # a cached prefix is never routed again: its routes would be missing
     if extension_available(worker_extension):
         kwargs["worker_extension_cls"] = worker_extension
     elif worker_extension:
@@ -100,15 +105,33 @@ def _completion(c, versions: list[int] | None = None) -> Completion:
     return Completion(ids, lps, str(c.finish_reason or "length"), c.text, versions, c.stop_reason)
 
 
+def _sequences(prompt_ids: list[list[int]], out: list[list[Completion]]) -> list[list[int]]:
+    return [[int(t) for t in p] + list(c.token_ids) for p, cs in zip(prompt_ids, out) for c in cs]
+
+
+def _attach_routes(out: list[list[Completion]], taken: list) -> None:
+    """Give each completion the routes the worker recorded for it (`RouteRecorder.take`); a
+    completion whose routes were not found has none (the generator fails its group)."""
+    import numpy as np
+
+    flat = [c for cs in out for c in cs]
+    for c, got in zip(flat, taken):
+        if got is not None:
+            data, shape = got
+            c.routes = np.frombuffer(data, np.uint8 if len(data) == int(np.prod(shape)) else np.dtype("<u2")) \
+                .reshape(shape)
+
+
 class _VLLMBackend(Engine):
     """What both vLLM engines share: their arguments, and the check before a round is loaded."""
 
     def __init__(self, model: str, *, tokenizer: str = "", dtype: str = "float32", seed: int = 0,
                  tensor_parallel_size: int = 1, gpu_memory_utilization: float = 0.0, max_model_len: int = 0,
                  worker_extension: str = "actors.engines.vllm.worker.WorkerExtension", lora_rank: int = 0,
-                 cpu_linear: str = "auto"):
+                 cpu_linear: str = "auto", record_routes: bool = False):
         kwargs = _vllm_kwargs(model, tokenizer, dtype, seed, tensor_parallel_size, gpu_memory_utilization,
-                              max_model_len, worker_extension, lora_rank)
+                              max_model_len, worker_extension, lora_rank, record_routes)
+        self.record_routes = record_routes
         # read by the worker extension's module in vLLM's worker process, before the model is built
         os.environ[CPU_LINEAR_ENV] = "plain" if cpu_linear == "plain" or (cpu_linear == "auto" and dtype == "float32") \
             else "packed"
@@ -123,6 +146,8 @@ class _VLLMBackend(Engine):
             self._start_engine(kwargs)
             if lora_rank and self.has_extension:
                 self._rpc("init_lora_slot", (kwargs["max_lora_rank"], self.lora_folder))
+            if record_routes:
+                self.route_layers = self._rpc("start_route_capture", ())[0]
         except BaseException:
             self._remove_lora_folder()
             raise
@@ -178,7 +203,10 @@ class VLLMEngine(_VLLMBackend):
         prompts = [TokensPrompt(prompt_token_ids=[int(t) for t in p]) for p in prompt_ids]
         outputs = self.llm.generate(prompts, _sampling_params(n, sampling), use_tqdm=False,
                                     lora_request=self.lora_request)
-        return [[_completion(c) for c in out.outputs] for out in outputs]
+        out = [[_completion(c) for c in o.outputs] for o in outputs]
+        if self.record_routes:  # (the first worker's: every tensor-parallel rank routes alike)
+            _attach_routes(out, self.llm.collective_rpc("take_routes", args=(_sequences(prompt_ids, out),))[0])
+        return out
 
     def receive_weights(self, info: RoundInfo) -> dict:
         info = self._round(info)
@@ -310,7 +338,11 @@ class AsyncVLLMEngine(_VLLMBackend):
                 if isinstance(e, VLLMClientError):  # the Engine contract: refused inputs raise ValueError
                     raise ValueError(str(e)) from e
                 raise e from None
-            return [[_completion(c, _token_versions(c)) for c in r.result().outputs] for r in requests]
+            out = [[_completion(c, _token_versions(c)) for c in r.result().outputs] for r in requests]
+            if self.record_routes:
+                taken = await self.llm.collective_rpc("take_routes", args=(_sequences(prompt_ids, out),))
+                _attach_routes(out, taken[0])
+            return out
         finally:
             self._batches.discard(task)
 

@@ -231,6 +231,18 @@ class WorkerExtension:
 
         return stage, finish, "staged_reload_weights", True
 
+    def start_route_capture(self) -> int:
+        """Record the experts every token is routed to (`actors.engines.vllm.routes`); returns the
+        number of MoE layers."""
+        from actors.engines.vllm.routes import RouteRecorder
+
+        self._conveyor_routes = RouteRecorder(self.model_runner)
+        return len(self._conveyor_routes.layers)
+
+    def take_routes(self, sequences: list) -> list:
+        """The recorded routes of each prompt + completion (`RouteRecorder.take`)."""
+        return self._conveyor_routes.take(sequences)
+
     def _vllm_config_context(self):
         """vLLM's current config around a load, as its worker's own `reload_weights` sets it (some
         weight loaders read it)."""
