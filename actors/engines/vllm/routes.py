@@ -46,7 +46,8 @@ class RouteRecorder:
         for module in runner.get_model().modules():
             if isinstance(module, MoERunner):
                 if not isinstance(module.router, BaseRouter):
-                    raise ValueError(f"routing replay: vLLM's router {type(module.router).__name__} has no capture hook")
+                    name = type(module.router).__name__
+                    raise ValueError(f"routing replay: vLLM's router {name} has no capture hook")
                 module.router.set_capture_fn(partial(self._capture, module.layer_id))
                 layers.append(module.layer_id)
         if not layers:
