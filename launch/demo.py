@@ -27,6 +27,8 @@ arithmetic demo's warm start, is evaluated greedily on the held-out problems at 
 Overrides go to the run config (`--learner.total_steps 20`); `--demo.task`, `--demo.warm_steps N`,
 `--demo.heldout N`, `--demo.train_prompts N`, `--demo.seed N`, `--demo.eval_every N` and
 `--demo.out DIR`, `--demo.teacher_steps N` set the demo's own knobs (their defaults depend on the task: TASKS).
+`--demo.model qwen3_moe` (arithmetic and distill) trains a tiny mixture of experts instead of the
+Llama (8 experts, top-2; demo/tiny_model.py), with routing replay on (docs/moe.md).
 """
 
 from __future__ import annotations
@@ -40,8 +42,8 @@ ROOT = Path(__file__).resolve().parents[1]
 DEMO_CONFIG = ROOT / "examples" / "demo.yaml"
 AGENT_CONFIG = ROOT / "examples" / "agent.yaml"  # the tools demo (calc)
 GUESS_CONFIG = ROOT / "examples" / "guess.yaml"
-DEMO_DEFAULTS = {"task": "arithmetic", "warm_steps": 375, "heldout": 200, "train_prompts": 3000, "seed": 0, "out": "",
-                 "eval_every": 25, "teacher_steps": 1200}
+DEMO_DEFAULTS = {"task": "arithmetic", "model": "llama", "warm_steps": 375, "heldout": 200, "train_prompts": 3000,
+                 "seed": 0, "out": "", "eval_every": 25, "teacher_steps": 1200}
 # Each task: its run config, the demo knobs it sets otherwise, and the plot's title and label.
 TASKS = {
     "arithmetic": {"config": DEMO_CONFIG, "defaults": {},
@@ -89,6 +91,10 @@ def split_demo_args(argv: list[str]) -> tuple[dict, list[str]]:
     task = given.get("task", DEMO_DEFAULTS["task"])
     if task not in TASKS:
         raise SystemExit(f"launch.demo: --demo.task {task!r} is not a task (known: {', '.join(TASKS)})")
+    model = given.get("model", DEMO_DEFAULTS["model"])
+    if model not in ("llama", "qwen3_moe") or (model != "llama" and task not in ("arithmetic", "distill")):
+        raise SystemExit(f"launch.demo: --demo.model {model!r}: llama, or qwen3_moe with the arithmetic or distill "
+                         f"task (routing replay is for single-turn samples)")
     return {**DEMO_DEFAULTS, **TASKS[task]["defaults"], **given}, rest
 
 
@@ -103,7 +109,7 @@ def prepare_arithmetic(demo: dict, run_dir: Path) -> tuple[Path, Path, Path, lis
     train = make_problems(demo["train_prompts"], seed=demo["seed"], exclude={p["prompt"] for p in heldout})
     heldout_path = write_jsonl(heldout, data_dir / "heldout.jsonl")
     prompts = write_jsonl(train, data_dir / "train.jsonl")
-    base = build_tiny_model(run_dir / "models" / "base", seed=demo["seed"])
+    base = build_tiny_model(run_dir / "models" / "base", seed=demo["seed"], family=demo["model"])
     print(f"[demo] warm start: {demo['warm_steps']} supervised steps on {len(train)} problems", flush=True)
     warm = warm_start(base, run_dir / "models" / "warm", train, demo["warm_steps"], seed=demo["seed"], log_every=100)
     return warm, prompts, heldout_path, []
@@ -298,7 +304,8 @@ def main(argv: list[str] | None = None) -> int:
     # evaluation during training: greedy answers to the held-out prompts (distill: of the checkpoints, after)
     evaluation = [] if distill else ["--eval.dataset", str(heldout_path), "--eval.every", str(demo["eval_every"]),
                                      "--eval.n_samples_per_prompt", "1", "--eval.temperature", "0"]
-    run = load_run_config(task["config"], [*(distill_overrides(demo) if distill else []), *overrides,
+    moe = ["--learner.routing_replay", "rollout"] if demo["model"] != "llama" else []
+    run = load_run_config(task["config"], [*(distill_overrides(demo) if distill else []), *moe, *overrides,
                                            "--learner.model_path", str(warm), "--buffer.prompts",
                                            str(prompts), "--run.run_dir", str(run_dir),
                                            "--generator.stop_token_ids", str(newline), *evaluation])

@@ -281,6 +281,8 @@ def iter_publish_params(engine) -> Iterator[tuple[str, torch.Tensor]]:
     `learner.lora.iter_adapter_params`), else every parameter (`iter_full_params`). Rank 0 gets
     them; every rank walks the iterator to the end. `learner.lora.adapter_spec(engine)` says
     which it is. Each tensor is valid only until the next is asked for (the sender copies it)."""
-    from learner.lora import is_lora, iter_adapter_params
+    from learner.lora import is_lora, iter_adapter_params, sends_merged
 
-    return iter_adapter_params(engine) if is_lora(engine) else iter_full_params(engine, copy=False)
+    if is_lora(engine) and not sends_merged(engine):
+        return iter_adapter_params(engine)
+    return iter_full_params(engine, copy=False)

@@ -55,11 +55,21 @@ def is_lora(model: nn.Module) -> bool:
     return isinstance(getattr(model, "module", model), PeftModel)
 
 
+def sends_merged(model: nn.Module) -> bool:
+    """A LoRA policy whose weight rounds carry its merged weights, not the adapter: one whose adapter
+    wraps parameters as well as linear layers (peft's `target_parameters`: a mixture of experts'
+    3-D expert weights and router), which the engines do not take as an adapter (vLLM's CPU build
+    has no LoRA kernels for fused-MoE layers at all)."""
+    model = getattr(model, "module", model)
+    return is_lora(model) and bool(getattr(model.peft_config[ADAPTER], "target_parameters", None))
+
+
 def adapter_spec(model: nn.Module) -> dict | None:
     """What a receiver needs besides the tensors to build the adapter: `{"r", "lora_alpha",
-    "target_modules"}` (the modules peft actually wrapped); None for a model without LoRA."""
+    "target_modules"}` (the modules peft actually wrapped); None for a model without LoRA, or
+    whose rounds carry merged weights (`sends_merged`)."""
     model = getattr(model, "module", model)
-    if not is_lora(model):
+    if not is_lora(model) or sends_merged(model):
         return None
     config = model.peft_config[ADAPTER]
     modules = config.target_modules
@@ -115,12 +125,23 @@ def iter_merged_params(engine) -> Iterator[tuple[str, torch.Tensor]]:
         name = mod_name.removeprefix(PREFIX)
         if isinstance(module, LoraLayer):
             base = module.get_base_layer()
-            params = [base.weight, *module.lora_A[ADAPTER].parameters(), *module.lora_B[ADAPTER].parameters()]
+            # a parameter wrapper (peft's target_parameters: a mixture of experts' 3-D expert weights,
+            # nested one per parameter, `experts.base_layer...`) adapts `parameter_name` of the innermost
+            param_name = getattr(module, "parameter_name", "weight")
+            weight = getattr(base, param_name) if param_name != "weight" else base.weight
+            weight = getattr(weight, "original", weight)  # (under peft's parametrization)
+            name = name.replace(".base_layer", "")
+            params = [weight, *module.lora_A[ADAPTER].parameters(), *module.lora_B[ADAPTER].parameters()]
             with _gathered(params):
                 if rank0:
-                    merged = base.weight.detach() + module.get_delta_weight(ADAPTER).detach()
-                    yield f"{name}.weight", merged.to("cpu", base.weight.dtype, copy=True)
-            if base.bias is not None:
+                    merged = weight.detach() + module.get_delta_weight(ADAPTER).detach()
+                    yield f"{name}.{param_name}", merged.to("cpu", weight.dtype, copy=True)
+            if param_name != "weight":
+                done.update(id(p) for p in module.lora_A[ADAPTER].parameters())
+                done.update(id(p) for p in module.lora_B[ADAPTER].parameters())
+                done.add(id(weight))
+                continue
+            if getattr(base, "bias", None) is not None:
                 with _gathered([base.bias]):
                     if rank0:
                         yield f"{name}.bias", base.bias.detach().to("cpu", copy=True)

@@ -102,6 +102,7 @@ class Routers:
     """
 
     def __init__(self, model, replay: bool):
+        self.lm = causal_lm(model)
         self.list = routers(model)
         self.replay = replay
         self.num_experts = int(self.list[0].weight.shape[0])
@@ -121,7 +122,7 @@ class Routers:
                                   f"{causal_lm(model).config.model_type!r} has no router")
             return None
         hooks = cls(model, replay != "off")
-        causal_lm(model)._conveyor_routers = hooks
+        hooks.lm._conveyor_routers = hooks
         return hooks
 
     def check(self, routes: torch.Tensor) -> None:
@@ -191,6 +192,8 @@ class Routers:
         for h in self.handles:
             h.remove()
         self.handles = []
+        if getattr(self.lm, "_conveyor_routers", None) is self:
+            del self.lm._conveyor_routers
 
 
 @contextmanager
@@ -218,7 +221,11 @@ def routing(model, routes: torch.Tensor | None, attention_mask: torch.Tensor | N
     if flat is not None:
         hooks.check(flat)
     hooks.routes, hooks.valid = flat, valid
+    grad = torch.is_grad_enabled()
     try:
         yield
     finally:
-        hooks.routes = hooks.valid = None
+        if not grad:
+            hooks.routes = hooks.valid = None
+        # else kept until the next forward: gradient checkpointing runs the layers' forwards again
+        # in the backward, after this context, and they must route as the first forward did

@@ -283,3 +283,48 @@ def test_a_multi_turn_rollout_carries_its_action_mask():
     for check in (lambda f: decode_item(f, "scored"), check_scored):
         with pytest.raises(ProtocolError, match="action_mask: length 3 != completion length 5"):
             check(msgpack.packb(item))
+
+
+# ---- a mixture-of-experts rollout's routes ----------------------------------------------------
+
+
+def routed(width=1, t=5, layers=2, k=2, experts=8):
+    """`rollout(t=t)` with the experts of its 3 + t - 1 tokens (every token but the last) per layer."""
+    rows = 3 + t - 1
+    ids = (np.arange(rows * layers * k) * 37 % experts).reshape(rows, layers, k)
+    r = rollout(t=t)
+    r.routes = ids.astype(np.uint8 if width == 1 else "<u2").tobytes()
+    r.route_layers, r.route_k, r.route_width = layers, k, width
+    return r, ids
+
+
+@pytest.mark.parametrize("width,experts", [(1, 8), (2, 300)])  # uint16 from 256 experts on
+def test_routes_round_trip_as_the_same_array(width, experts):
+    r, ids = routed(width, experts=experts)
+    assert (int(ids.max()) >= 256) == (width == 2)
+    frame = encode_item(ScoredRollout(r, reward=1.0))
+    for back in (decode_item(encode_item(r), "rollouts"), roundtrip(RolloutsMsg([r])).rollouts[0],
+                 decode_item(frame, "scored").rollout, check_scored(frame).rollout):
+        got = back.route_array()
+        assert got.shape == (7, 2, 2) and got.dtype.itemsize == width
+        np.testing.assert_array_equal(got, ids)
+        assert (back.route_layers, back.route_k, back.route_width) == (2, 2, width)
+    assert rollout().route_array() is None
+    assert decode_item(encode_item(rollout()), "rollouts").routes is None
+
+
+def test_routes_that_do_not_fit_the_rollout_are_refused_naming_routes():
+    r, _ = routed()
+    item = msgpack.unpackb(encode_item(ScoredRollout(r, reward=1.0)))
+    short = dict(item["rollout"], routes=r.routes[:-4])  # one token's routes (2 layers x 2) missing
+    no_layers = dict(item["rollout"], route_layers=0)
+    for bad, why in ((short, "24 bytes, not the 28 of 7 tokens x 2 layers x 2 experts x 1 bytes"),
+                     (no_layers, "route_layers=0 and route_k=2 must be >= 1 with routes")):
+        frame = msgpack.packb(dict(item, rollout=bad))
+        for check in (lambda f: decode_item(f, "scored"), check_scored):
+            with pytest.raises(ProtocolError) as e:
+                check(frame)
+            assert e.value.field == "item.rollout.routes" and why in e.value.problem
+    with pytest.raises(ProtocolError) as e:  # and a rollout built so, before it is sent
+        Rollout(**{f: getattr(r, f) for f in r.__struct_fields__ if f != "routes"}, routes=r.routes + b"\0")
+    assert e.value.field == "routes"

@@ -25,6 +25,7 @@ import shutil
 import tempfile
 import threading
 from concurrent.futures import Future
+from pathlib import Path
 from typing import Any
 
 from actors.engines.base import Completion, Engine, Sampling
@@ -86,6 +87,22 @@ def _vllm_kwargs(model: str, tokenizer: str, dtype: str, seed: int, tensor_paral
     return kwargs
 
 
+def is_moe(model: str) -> bool:
+    """Whether the model folder holds a mixture of experts. Its LoRA policy's weight rounds carry
+    merged weights, not adapters (`learner.lora.sends_merged`: peft adapts the 3-D expert weights,
+    and vLLM's CPU build has no LoRA kernels for fused-MoE layers: they need Triton), so its engine
+    serves no adapters."""
+    import json
+
+    try:
+        config = json.loads((Path(model) / "config.json").read_text())
+    except (OSError, ValueError):
+        return False
+    text = config.get("text_config", config)
+    experts = max(int(text.get(k) or 0) for k in ("num_experts", "num_local_experts", "n_routed_experts"))
+    return experts > 0
+
+
 def _sampling_params(n: int, sampling: Sampling, **extra):
     from vllm import SamplingParams
 
@@ -129,8 +146,10 @@ class _VLLMBackend(Engine):
                  tensor_parallel_size: int = 1, gpu_memory_utilization: float = 0.0, max_model_len: int = 0,
                  worker_extension: str = "actors.engines.vllm.worker.WorkerExtension", lora_rank: int = 0,
                  cpu_linear: str = "auto", record_routes: bool = False):
+        # a mixture of experts' LoRA rounds carry merged weights (learner.lora.sends_merged): no adapters
+        served_rank = 0 if lora_rank and is_moe(model) else lora_rank
         kwargs = _vllm_kwargs(model, tokenizer, dtype, seed, tensor_parallel_size, gpu_memory_utilization,
-                              max_model_len, worker_extension, lora_rank, record_routes)
+                              max_model_len, worker_extension, served_rank, record_routes)
         self.record_routes = record_routes
         # read by the worker extension's module in vLLM's worker process, before the model is built
         os.environ[CPU_LINEAR_ENV] = "plain" if cpu_linear == "plain" or (cpu_linear == "auto" and dtype == "float32") \
@@ -140,11 +159,11 @@ class _VLLMBackend(Engine):
         self.tensor_parallel_size = tensor_parallel_size
         self.version = 0
         # LoRA: where adapter rounds are written, and the request every prompt names (None: no LoRA)
-        self.lora_folder = tempfile.mkdtemp(prefix="conveyor-lora-") if lora_rank else ""
-        self.lora_request = lora_request(self.lora_folder) if lora_rank and self.has_extension else None
+        self.lora_folder = tempfile.mkdtemp(prefix="conveyor-lora-") if served_rank else ""
+        self.lora_request = lora_request(self.lora_folder) if served_rank and self.has_extension else None
         try:
             self._start_engine(kwargs)
-            if lora_rank and self.has_extension:
+            if served_rank and self.has_extension:
                 self._rpc("init_lora_slot", (kwargs["max_lora_rank"], self.lora_folder))
             if record_routes:
                 self.route_layers = self._rpc("start_route_capture", ())[0]
