@@ -160,3 +160,24 @@ def finish_plan(plan: LoadPlan) -> None:
             layer.weight = torch.nn.Parameter(weight, requires_grad=False)
         for layer in plan.reprocess:
             layer.quant_method.process_weights_after_loading(layer)
+
+
+def repack_cpu_experts(model) -> int:
+    """After `reload_weights` into a mixture of experts on vLLM's CPU build: pack each MoE layer's
+    new expert weights into its kernel's layout again. The CPU experts kernel reads w13/w2 prepacked
+    for its ISA (`CPUUnquantizedExperts.process_weights_after_loading`: pad, then
+    `cpu_prepack_moe_weight`), and the in-place reload leaves them in the checkpoint's layout (seen on
+    vLLM 0.32: the engine then computes with garbled experts; tests/system/test_moe.py). Returns the
+    layers repacked."""
+    try:
+        from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUUnquantizedExperts
+    except ImportError:
+        return 0
+    n = 0
+    for module in model.modules():
+        kernel = getattr(getattr(module, "quant_method", None), "moe_kernel", None)
+        experts = getattr(getattr(kernel, "impl", None), "fused_experts", None)
+        if hasattr(module, "w13_weight") and isinstance(experts, CPUUnquantizedExperts):
+            experts.process_weights_after_loading(module)
+            n += 1
+    return n

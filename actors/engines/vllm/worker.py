@@ -146,7 +146,7 @@ class WorkerExtension:
     def _load_named(self, named: list):
         """Copy full weights `named` into the model; returns what completes the load (repacking
         layers), or None when nothing is left to do."""
-        from actors.engines.vllm.load import copy_plan, finish_plan, load_plan
+        from actors.engines.vllm.load import copy_plan, finish_plan, load_plan, repack_cpu_experts
 
         # a repacked layer's staging weight is kept between rounds, as the receive buffers are
         plan = load_plan(self.model_runner.get_model(), named, self.__dict__.setdefault("_weight_sync_staging", {}))
@@ -155,6 +155,8 @@ class WorkerExtension:
             # weights have been repacked into kernel layout
             self.reload_weights(weights_iterator=iter(named))
             self._conveyor_load_path = "reload_weights"
+            if repack_cpu_experts(self.model_runner.get_model()):
+                self._conveyor_load_path = "reload_weights+repack_experts"
             return None
         copy_plan(plan, named)
         self._conveyor_load_path = "repack" if plan.rebind else "direct"
