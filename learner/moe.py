@@ -106,7 +106,8 @@ class Routers:
         self.list = routers(model)
         self.replay = replay
         first = self.list[0]  # (under ZeRO-3 a weight's own shape is (0,): ds_shape is the whole one)
-        self.num_experts = int(getattr(first, "num_experts", 0) or getattr(first.weight, "ds_shape", first.weight.shape)[0])
+        shape = getattr(first.weight, "ds_shape", first.weight.shape)
+        self.num_experts = int(getattr(first, "num_experts", 0) or shape[0])
         self.top_k = int(self.list[0].top_k)
         self.routes: torch.Tensor | None = None  # (N, layers, k) long of this forward's rows, -1: unknown
         self.valid: torch.Tensor | None = None  # (N,) bool, the rows that are tokens

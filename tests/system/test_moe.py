@@ -118,8 +118,8 @@ def test_the_moe_checkpoint_loads_in_transformers_and_vllm(replay_run, moe_setup
         if __name__ == "__main__":
             from vllm import LLM, SamplingParams
             llm = LLM({str(ckpt)!r}, dtype="float32", enforce_eager=True, gpu_memory_utilization=0.05)
-            o = llm.generate([{{"prompt_token_ids": {ids}}}], \\
-SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
+            params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+            o = llm.generate([{{"prompt_token_ids": {ids}}}], params)
             print("RESULT " + json.dumps(list(o[0].outputs[0].token_ids)))
     """))
     proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=600,
