@@ -24,7 +24,9 @@
 #     greedy generation through the project's engine (actors/engines/vllm/engine.py), both recorded;
 # 10. sequence parallelism's split forward and gradient (tests/learner/test_sequence_parallel.py):
 #     over gloo, and over NCCL where there are 2 GPUs;
-# 11. the demo (launch.demo, asynchronous: 20 steps; 2 in --cpu-smoke).
+# 11. a tiny mixture of experts end to end (tests/system/test_moe.py): routing replay, weight rounds
+#     into vLLM's fused-MoE layers, engine and learner agreeing at staleness 0 (GPU only);
+# 12. the demo (launch.demo, asynchronous: 20 steps; 2 in --cpu-smoke).
 #
 # On a GPU every step records the peak of `nvidia-smi --query-gpu=memory.used` while it ran (the
 # engine's memory is in its own process, out of reach of torch.cuda.max_memory_allocated here).
@@ -193,6 +195,11 @@ elif [ "$GPUS" -ge 2 ]; then
 else
   skip "sequence parallel (nccl)" "needs 2 GPUs, one per rank (NCCL refuses two ranks on one device); $GPUS here"
 fi
+# a mixture of experts end to end on the GPU (tests/system/test_moe.py: routes recorded by the worker
+# extension's hook on vLLM's CUDA routers, weight rounds into the fused-MoE layers through
+# load_weights, the engine and the learner agreeing at staleness 0, a LoRA run's merged rounds); the
+# CPU suite runs the same test on the CPU build
+gpu_step "MoE end to end (routing replay, rounds)" 420 $PY -m pytest -x -q tests/system/test_moe.py -p no:cacheprovider
 step "demo ($STEPS steps, async)" 600 $PY -m launch.demo --learner.total_steps $STEPS --demo.warm_steps 0 \
   --demo.out "$WORK/demo"
 

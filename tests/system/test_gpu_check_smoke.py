@@ -15,9 +15,10 @@ from tests.helpers.procs import ROOT, subprocess_env
 STEPS = ["nvidia-smi", "make install (dry run)", "CUDA check (scripts/check_cuda.py)", "build model", "device plan",
          "generation vLLM vs transformers", "learner step", "CUDA IPC slot", "weight rounds (no vLLM on CPU)",
          "killed member (gloo)", "absent peer (gloo)", "killed member (nccl)", "vLLM V2 model runner",
-         "vLLM V1 model runner", "sequence parallel (gloo)", "sequence parallel (nccl)", "demo (2 steps, async)"]
+         "vLLM V1 model runner", "sequence parallel (gloo)", "sequence parallel (nccl)",
+         "MoE end to end (routing replay, rounds)", "demo (2 steps, async)"]
 GPU_ONLY = {"nvidia-smi", "CUDA check (scripts/check_cuda.py)", "killed member (nccl)", "vLLM V2 model runner",
-            "vLLM V1 model runner", "sequence parallel (nccl)"}
+            "vLLM V1 model runner", "sequence parallel (nccl)", "MoE end to end (routing replay, rounds)"}
 
 
 @pytest.mark.slow

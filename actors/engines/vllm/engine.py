@@ -80,6 +80,9 @@ def _vllm_kwargs(model: str, tokenizer: str, dtype: str, seed: int, tensor_paral
         if not extension_available(worker_extension):
             raise ValueError(f"generator.record_routes needs the worker extension ({worker_extension!r} not found)")
         kwargs["enable_prefix_caching"] = False  # a cached prefix is never routed again: its routes would be missing
+        # the recorder reads the V1 model runner's batch layout (actors/engines/vllm/routes.py); the
+        # engine core inherits this process's environment
+        os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "0")
     if extension_available(worker_extension):
         kwargs["worker_extension_cls"] = worker_extension
     elif worker_extension:

@@ -37,6 +37,10 @@ class RouteRecorder:
         from vllm.model_executor.layers.fused_moe.router.base_router import BaseRouter
         from vllm.model_executor.layers.fused_moe.runner.moe_runner import MoERunner
 
+        missing = [a for a in ("_model_forward", "input_batch", "query_start_loc") if not hasattr(runner, a)]
+        if missing:
+            raise RuntimeError(f"routing replay records routes from vLLM's V1 model runner, but this one "
+                               f"({type(runner).__name__}) has no {missing}: set VLLM_USE_V2_MODEL_RUNNER=0")
         self.runner = runner
         self.max_requests = max_requests
         self.step: dict[int, object] = {}  # layer -> this forward's (rows, k) expert ids
