@@ -303,6 +303,9 @@ class LearnerConfig(OptimConfig, WeightSyncAddress, BufferAddress):
         if self.sequence_parallel > 1 and self.aux_loss_coef:
             errs.append(f"learner.sequence_parallel={self.sequence_parallel} with aux_loss_coef={self.aux_loss_coef}: "
                         f"the router loss is not computed over sequences split across ranks; set one of them off")
+        if self.sequence_parallel > 1 and self.gradient_checkpointing:
+            errs.append(f"learner.sequence_parallel={self.sequence_parallel} with gradient_checkpointing: the layers "
+                        "recomputed in the backward would attend without the group's all-to-all; set one of them off")
         if self.sequence_parallel > 1 and self.routing_replay != "off":
             errs.append(f"learner.sequence_parallel={self.sequence_parallel} with routing_replay="
                         f"{self.routing_replay!r}: routes are not split across ranks; set one of them off")

@@ -170,9 +170,19 @@ def with_lora(model: nn.Module, cfg) -> nn.Module:
 
 
 def enable_gradient_checkpointing(model: nn.Module, on: bool = True) -> nn.Module:
-    """HF gradient checkpointing (non-reentrant) when `on`; returns the model."""
+    """HF gradient checkpointing (non-reentrant) when `on`; returns the model.
+
+    transformers checkpoints a layer only in training mode (`GradientCheckpointingLayer.__call__`:
+    `self.gradient_checkpointing and self.training`), and `from_pretrained` returns a model in eval
+    mode, which the learner keeps (no dropout: pi_old and the trained forward must compute the
+    same function). So the checkpointed layers alone are marked as training, not their submodules:
+    their activations are recomputed in the backward, and every dropout stays off."""
     if on:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        for module in model.modules():
+            checkpointed = module.__dict__.get("gradient_checkpointing") is True
+            if checkpointed and hasattr(module, "_gradient_checkpointing_func"):
+                module.training = True  # (not .train(): that would switch its dropouts on)
     return model
 
 

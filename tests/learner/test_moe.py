@@ -184,7 +184,7 @@ def test_replay_with_gradient_checkpointing_gives_the_same_gradients(moe_dir):
     tb = _batch(_random_routes())
 
     def grads(checkpointing):
-        model = load_trainable_lm(str(moe_dir), gradient_checkpointing=checkpointing).train()  # (no dropout)
+        model = load_trainable_lm(str(moe_dir), gradient_checkpointing=checkpointing)
         Routers.attach(model, "rollout")
         logprobs, _ = next_token_stats(model, tb.input_ids, tb.attention_mask, routes=tb.routes)
         failed = ""

@@ -204,6 +204,29 @@ def test_moe_policy_trains_with_its_router_loss(tmp_path):
 
 
 # ------------------------------------------------------------------------------------------------
+# gradient checkpointing
+
+
+def test_gradient_checkpointing_recomputes_the_layers_and_leaves_dropout_off(tiny_model_dir):
+    """transformers checkpoints a layer only in training mode, and the learner's model is in eval
+    mode (no dropout): the checkpointed layers alone are marked as training."""
+    from learner.engine import load_trainable_lm
+
+    ids = torch.tensor([[1, 5, 6, 7, 8]])
+    grads, calls = {}, {}
+    for on in (False, True):
+        model = load_trainable_lm(str(tiny_model_dir), gradient_checkpointing=on)
+        calls[on] = []
+        model.model.layers[0].self_attn.register_forward_hook(lambda *a, n=calls[on]: n.append(1))
+        model(ids).logits.square().mean().backward()
+        grads[on] = {n: p.grad for n, p in model.named_parameters()}
+        assert not model.training and not any(m.training for m in model.modules() if isinstance(m, torch.nn.Dropout))
+    assert (len(calls[False]), len(calls[True])) == (1, 2), calls  # the layer's forward again in the backward
+    for n, g in grads[False].items():
+        assert torch.allclose(grads[True][n], g, atol=1e-6, rtol=0), n
+
+
+# ------------------------------------------------------------------------------------------------
 # config
 
 
