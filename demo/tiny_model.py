@@ -1,9 +1,10 @@
-"""A tiny Llama (or a tiny Qwen3-MoE) and a character-level tokenizer, written to a folder on the fly.
+"""A tiny Llama (or a tiny Qwen3-MoE or Mixtral) and a character-level tokenizer, written to a folder on the fly.
 
 Nothing can be downloaded at run time, so tests, benchmarks and the demo build their model here.
 The folder loads like any hub model: `AutoModelForCausalLM`, `AutoTokenizer` and vLLM.
 `family="qwen3_moe"` builds a mixture of experts (Qwen3-MoE: `num_experts` experts per layer, the
-top `experts_per_token` of them per token, no shared expert), the class Qwen3-30B-A3B belongs to.
+top `experts_per_token` of them per token, no shared expert), the class Qwen3-30B-A3B belongs to;
+`family="mixtral"` the same shape as a Mixtral.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ SPECIAL_TOKENS = [PAD, BOS, EOS, UNK]
 CHARACTERS = list(string.digits + "+-*/=()<>.,:;?!'\"_#%&" + string.ascii_lowercase + string.ascii_uppercase + " \n")
 # vLLM's CPU attention accepts head_dim 64 (not 16), so heads = hidden / 64.
 HEAD_DIM = 64
-FAMILIES = ("llama", "qwen3_moe")
+FAMILIES = ("llama", "qwen3_moe", "mixtral")
 
 
 def vocab() -> dict[str, int]:
@@ -95,6 +96,12 @@ def build_tiny_model(
         extra = dict(num_experts=num_experts, num_experts_per_tok=experts_per_token, norm_topk_prob=True,
                      moe_intermediate_size=moe_intermediate_size or hidden_size // 2, decoder_sparse_step=1,
                      mlp_only_layers=[], router_aux_loss_coef=0.0)
+    elif family == "mixtral":  # (its experts' width is intermediate_size)
+        from transformers import MixtralConfig as Config
+        from transformers import MixtralForCausalLM as Model
+
+        intermediate_size = moe_intermediate_size or hidden_size // 2
+        extra = dict(num_local_experts=num_experts, num_experts_per_tok=experts_per_token, router_aux_loss_coef=0.0)
     else:
         from transformers import LlamaConfig as Config
         from transformers import LlamaForCausalLM as Model

@@ -26,11 +26,13 @@ LAYERS, E, K = 2, 8, 2  # the tiny MoE: MoE layers, experts per layer, experts p
 SHAPES = [(4, 5), (3, 2), (2, 2)]  # (prompt, completion) lengths: padding in two rows, which packed share one
 
 
-@pytest.fixture(scope="module")
-def moe_dir(tmp_path_factory):
+@pytest.fixture(scope="module", params=["qwen3_moe", "mixtral"])
+def moe_dir(tmp_path_factory, request):
+    """The tiny MoE of each family (their routers differ: Qwen3-MoE renormalises its top-k if
+    `norm_topk_prob`, Mixtral always)."""
     from demo.tiny_model import build_tiny_model
 
-    return build_tiny_model(tmp_path_factory.mktemp("tiny_moe"), family="qwen3_moe", hidden_size=64,
+    return build_tiny_model(tmp_path_factory.mktemp("tiny_moe"), family=request.param, hidden_size=64,
                             num_layers=LAYERS, num_experts=E, experts_per_token=K)
 
 
@@ -392,3 +394,19 @@ def test_router_aux_loss_is_the_switch_formula_and_its_gradient_is_added_at_coef
         if name.endswith("mlp.gate.weight"):  # (the check means something: the routers' share is far above 1e-5)
             assert (coef * h).abs().max() > 1e-3, name
     aux.close()
+
+
+def test_weight_rounds_carry_the_checkpoints_names_and_layout(moe_dir):
+    """transformers 5 holds a mixture of experts' per-expert weights fused (and Mixtral's
+    `block_sparse_moe` renamed `mlp`); a round converts each parameter back on its own, and the
+    union is the checkpoint the engines load, key for key and value for value."""
+    from safetensors.torch import load_file
+
+    from learner.engine import in_checkpoint_layout
+
+    model = _model(moe_dir)
+    sent = dict(in_checkpoint_layout(model, ((n, p.detach()) for n, p in model.named_parameters())))
+    saved = load_file(str(moe_dir / "model.safetensors"))
+    assert sorted(sent) == sorted(saved)
+    assert all(torch.equal(sent[k], saved[k]) for k in saved)
+    assert not any(k.endswith("gate_up_proj") for k in sent)  # (per expert, as on disk)
