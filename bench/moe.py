@@ -40,27 +40,32 @@ nearly all), built once and shared by everything below.
 `--quick`: a smoke run (200 warm-start steps, 4 steps a run, 3 timed iterations; with --learn, 10
 steps). Progress and a table go to stderr; the last line on stdout is one JSON object.
 
-Figures (2 cores, float32, `--learn`, the other flags default; 175 s in all, 17 s of it the warm start
-to 0.26 held-out accuracy):
+Figures (2 cores, float32, `.venv/bin/python bench/moe.py --learn`, the other flags default; 209 s in
+all, 37 s of it the warm start to 0.26 held-out accuracy, with another vLLM process running beside it;
+another run, beside a system test, took 404 s, 196 s of them the warm start):
 
     run          kl     kl@step0  mismatch  mism@step0  stale seen  wall_s
-    off_s0       2.37   0.0       0.169     0.0         0           27
-    rollout_s0   2.36   0.0       0.168     0.0         0           31
-    off_s2       2.19   0.0       0.143     0.0         2           26
-    rollout_s2   2.06   0.0       0.145     0.0         2           26
+    off_s0       0.0    0.0       0.0       0.0         0           29
+    rollout_s0   0.0    0.0       0.0       0.0         0           31
+    off_s2       0.030  0.0       0.020     0.0         2           33
+    rollout_s2   0.030  0.0       0.021     0.0         2           32
 
     throughput (tokens/s)  moe     moe+replay  dense   moe/dense
-    demo [128, 11]         29,991  29,426      46,143  0.65
-    long [16, 256]         25,816  25,272      37,050  0.70
+    demo [128, 11]         27,590  27,494      40,964  0.67
+    long [16, 256]         25,335  24,587      34,760  0.73
 
-    learn (60 steps): eval/pass@1 0.26 -> 0.055; the learner's checkpoint (transformers) 0.26 -> 0.435
+    learn (60 steps, 38 s): eval/pass@1 0.26 -> 0.50 (step 30) -> 0.585; the learner's last checkpoint
+    (transformers) 0.26 -> 0.585
 
-Step 0 agrees exactly (KL 0, no route differs); from the first weight round on, the engine serves
-another model than the learner trains, whatever the replay or the staleness (async steps 1-2, still
-on the weights from disk: KL 0.04 and 0.12). A round of unchanged weights into the vLLM CPU engine of
-this MoE already moves its log-probs by up to 3.9 nats (in the learner's fused names and in the
-checkpoint's per-expert names alike; load path `reload_weights`), so these KL and mismatch figures
-measure that, not routing; they mean what they say once rounds into an MoE engine are exact.
+At staleness 0 the engine and the learner agree to float order at every step, weight rounds included
+(|KL| under 1e-8 a step, no route differs), so routing replay on or off makes no difference there. At
+staleness 2 the KL is that of the policy moving over the one or two steps the rollouts lag behind
+pi_old (largest at step 2, 0.11-0.22, then 0.01-0.02 a step), and about 2% of token x layer routes
+differ; replay changes neither beyond the spread between runs (the other run: KL 0.045 off, 0.033 on;
+mismatch 0.023 both). Replaying the engine's routes removes only the flipped routes from pi_old's
+forward, and at this size the lag of the weights dominates; `moe/route_mismatch` is measured on the
+learner's own choice either way, so replay is not expected to lower it. The engine (eval/pass@1) and
+transformers on the learner's checkpoint answer the held-out problems alike (0.545 both in the other run).
 """
 
 from __future__ import annotations
