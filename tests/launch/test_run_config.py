@@ -1,9 +1,13 @@
-"""The run config's file and environment: secrets never reach a file (`launch.run_config.SECRETS`)."""
+"""The run config's file and environment: secrets never reach a file (`launch.run_config.SECRETS`);
+settings one role takes from another's (routing replay: the generators record routes)."""
 
 from __future__ import annotations
 
 import json
 
+import pytest
+
+from common.config import ConfigError
 from launch.roles import RestartPolicy, plan
 from launch.run_config import load_run_config, write_resolved
 from tests.helpers.procs import ROOT
@@ -29,3 +33,17 @@ def test_the_reward_token_reaches_the_scorers_by_environment_and_no_file(tiny_mo
     # a role restarted from the file alone (the scorer reads the variable when the key is empty)
     reread = load_run_config(path, [])
     assert reread.scorer.remote_token == ""
+
+
+def test_routing_replay_makes_the_generators_record_routes_and_refuses_episodes(tiny_model_dir, tmp_path):
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"prompt": "1+1=", "label": "2"}) + "\n")
+    base = [f"--learner.model_path={tiny_model_dir}", f"--buffer.prompts={prompts}", f"--run.run_dir={tmp_path / 'r'}",
+            f"--scorer.reward_fn={ROOT}/examples/rewards/arithmetic.py"]
+    assert load_run_config(None, [*base, "--learner.routing_replay=rollout"]).generator.record_routes is True
+    assert load_run_config(None, base).generator.record_routes is False
+    # set explicitly: routes recorded (and measured) without replaying them
+    assert load_run_config(None, [*base, "--generator.record_routes=true"]).learner.routing_replay == "off"
+    with pytest.raises(ConfigError) as e:
+        load_run_config(None, [*base, "--learner.routing_replay=rollout", "--generator.env=guess"])
+    assert "single-turn" in str(e.value)

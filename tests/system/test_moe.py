@@ -1,5 +1,6 @@
 """A mixture-of-experts policy end to end: the tiny Qwen3-MoE (8 experts, top-2) through
-`launch.local` with a vLLM generator, a scorer, a DeepSpeed learner (ZeRO-3) and weight sync, with
+`launch.local` with a vLLM generator, a scorer (reward and reference log-probs), a DeepSpeed
+learner (ZeRO-3) and weight sync, with
 routing replay on (the generator records each token's experts, the learner's routers reuse them);
 and a LoRA run of it, whose rounds carry the merged weights.
 
@@ -54,12 +55,14 @@ def run_local(run_dir: Path, setup: dict, *extra: str, timeout: float = 900) -> 
 
 @pytest.fixture(scope="module")
 def replay_run(moe_setup):
-    """10 async GRPO steps with routing replay under ZeRO-3, evaluated greedily every 5 steps."""
+    """10 async GRPO steps with routing replay under ZeRO-3 and a KL term (the scorer computes the
+    reference MoE's log-probs), evaluated greedily every 5 steps."""
     run_dir = moe_setup["dir"] / "replay"
     t0 = time.monotonic()
     code, out, rows = run_local(
         run_dir, moe_setup, "--learner.total_steps", "10", "--learner.save_every", "5", "--learner.zero_stage", "3",
-        "--learner.routing_replay", "rollout", "--eval.dataset", str(moe_setup["heldout_path"]), "--eval.every", "5",
+        "--learner.routing_replay", "rollout", "--learner.kl_coef", "0.001",  # (a reference scorer on the MoE)
+        "--eval.dataset", str(moe_setup["heldout_path"]), "--eval.every", "5",
         "--eval.n_samples_per_prompt", "1", "--eval.temperature", "0")
     return {"dir": run_dir, "code": code, "out": out, "wall_s": time.monotonic() - t0,
             "rows": [r for r in rows if "loss/policy" in r], "eval": {r["step"]: r for r in rows if "eval/pass@1" in r}}
@@ -70,6 +73,9 @@ def test_moe_run_with_routing_replay_completes_and_the_engine_agrees_at_stalenes
     rows = replay_run["rows"]
     assert [r["step"] for r in rows] == list(range(10))
     assert "record_routes: true" in (replay_run["dir"] / "config.yaml").read_text()
+    # the reference is the warm start: step 0's pi_old is it, later steps move away
+    assert abs(rows[0]["policy/kl_to_ref"]) < 1e-4 and all(r["policy/kl_to_ref"] >= -1e-6 for r in rows), \
+        [r["policy/kl_to_ref"] for r in rows]
     for r in rows:
         assert r["moe/expert_load_max_over_mean"] >= 1.0 and 0 < r["moe/router_entropy"] <= 2.08, r
         assert 0.0 <= r["moe/route_mismatch"] <= 1.0, r
