@@ -164,3 +164,62 @@ def test_route_fields_of_uint16_routes_and_of_none():
     r = Rollout(group_id=0, sample_index=0, lease_id=0, prompt_ids=[1, 2], completion_ids=[3, 4, 5],
                 behav_logprobs=[-1.0] * 3, versions=[0] * 3, **f)
     np.testing.assert_array_equal(r.route_array(), routes)
+
+
+# ------------------------------------------------------------------------------------------------
+# a real engine: the routes it records are the experts its routers chose, and the learner replays them
+
+
+@pytest.mark.slow
+def test_the_learners_replayed_routers_choose_the_experts_the_engine_recorded(tmp_path):
+    """vLLM (CPU build) samples from the tiny Qwen3-MoE and records every token's experts; the
+    learner's model, its routers moved away from the engine's (a later policy), replays them: every
+    router's output experts are the engine's for every token the routes cover. Without replay the
+    moved routers choose otherwise for some tokens, and the unmoved model's own choice is the
+    engine's (the recorder takes the right rows for the right request)."""
+    from actors.engines import VLLMEngine
+    from actors.engines.base import Sampling
+    from buffer.messages import ScoredRollout
+    from demo.tiny_model import build_tiny_model
+    from learner.batching import to_train_batch
+    from learner.modeling import load_causal_lm, next_token_stats
+    from learner.moe import Routers, routers
+
+    folder = build_tiny_model(tmp_path / "moe", family="qwen3_moe", seed=3)
+    engine = VLLMEngine(str(folder), dtype="float32", seed=0, max_model_len=256, record_routes=True)
+    try:
+        prompts = [engine.tokenizer(p)["input_ids"] for p in ("12+34=", "7*8=", "hello there, how are you")]
+        groups = engine.generate(prompts, 3, Sampling(temperature=1.0, max_tokens=12))
+    finally:
+        engine.close()
+    scored = []
+    for g, (ids, comps) in enumerate(zip(prompts, groups)):
+        for j, c in enumerate(comps):
+            assert c.routes is not None and c.routes.shape == (len(ids) + len(c.token_ids) - 1, LAYERS, K)
+            scored.append(ScoredRollout(Rollout(group_id=g, sample_index=j, lease_id=0, prompt_ids=ids,
+                                                completion_ids=c.token_ids, behav_logprobs=c.logprobs,
+                                                versions=[0] * len(c.token_ids), **route_fields(c.routes))))
+    tb = to_train_batch(scored)
+    given = tb.routes.reshape(-1, LAYERS, K).permute(1, 0, 2).long()  # (layers, N, k)
+    known = (given >= 0).all(-1)
+
+    def chosen(model, replay):
+        Routers.attach(model, replay)
+        out = []
+        handles = [r.register_forward_hook(lambda m, a, o: out.append(o[2])) for r in routers(model)]
+        with torch.no_grad():
+            next_token_stats(model, tb.input_ids, tb.attention_mask, routes=tb.routes)
+        for h in handles:
+            h.remove()
+        return torch.stack(out).sort(-1).values  # (layers, N, k), as sets
+
+    same = given.sort(-1).values
+    own = chosen(load_causal_lm(str(folder)), "off")
+    agree = (own == same).all(-1)[known].float().mean().item()
+    assert agree >= 0.99, f"the learner's own routers agree with the engine on {agree:.3f} of tokens x layers"
+    moved = load_causal_lm(str(folder))
+    with torch.no_grad():
+        for r in routers(moved):
+            r.weight.add_(torch.randn_like(r.weight) * r.weight.std())
+    assert not (chosen(moved, "off") == same).all(-1)[known].all()
+    assert torch.equal(chosen(moved, "rollout")[known], same[known])
