@@ -68,7 +68,7 @@ def build_tiny_model(
     experts_per_token: int = 2,
     moe_intermediate_size: int | None = None,
 ) -> Path:
-    """Write a seeded random Llama (or Qwen3-MoE) and its tokenizer to `path`; return the folder.
+    """Write a seeded random Llama (or Qwen3-MoE, or Mixtral) and its tokenizer to `path`; return the folder.
 
     The same arguments give the same weights (byte for byte), so two processes that each call this
     agree without talking. `hidden_size` must be a multiple of 64 (vLLM's CPU attention).
@@ -140,14 +140,15 @@ def build_tiny_model(
 def main(argv: list[str] | None = None) -> None:
     import argparse
 
-    p = argparse.ArgumentParser(description="Write the tiny Llama (or Qwen3-MoE) and character tokenizer to a folder.")
+    p = argparse.ArgumentParser(description="Write the tiny Llama (or MoE) and character tokenizer to a folder.")
     p.add_argument("path")
     p.add_argument("--num-layers", type=int, default=2)
     p.add_argument("--hidden-size", type=int, default=128)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--family", choices=FAMILIES, default="llama")
-    p.add_argument("--num-experts", type=int, default=8, help="qwen3_moe: experts per layer")
-    p.add_argument("--experts-per-token", type=int, default=2, help="qwen3_moe: experts each token is routed to")
+    p.add_argument("--num-experts", type=int, default=8, help="qwen3_moe, mixtral: experts per layer")
+    p.add_argument("--experts-per-token", type=int, default=2,
+                   help="qwen3_moe, mixtral: experts each token is routed to")
     a = p.parse_args(argv)
     print(build_tiny_model(a.path, num_layers=a.num_layers, hidden_size=a.hidden_size, seed=a.seed, family=a.family,
                            num_experts=a.num_experts, experts_per_token=a.experts_per_token))

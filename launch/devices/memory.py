@@ -24,6 +24,8 @@ import struct
 from dataclasses import dataclass
 from pathlib import Path
 
+from common.models import num_experts
+
 GIB = float(1 << 30)
 CONTEXT_GB = 0.75  # a CUDA context and the libraries' workspaces, per process and device (outside torch's allocator)
 ACTIVATION_GB = 2.0  # activations and temporaries of a forward/backward (gradient checkpointing on for big models)
@@ -67,7 +69,7 @@ def params_from_config(cfg: dict) -> int:
     kv = cfg.get("num_key_value_heads") or heads
     hd = cfg.get("head_dim") or h // heads
     attn = h * heads * hd * 2 + h * kv * hd * 2  # q, o; k, v
-    experts = cfg.get("num_local_experts") or cfg.get("num_experts") or cfg.get("n_routed_experts") or 0
+    experts = num_experts(cfg)
     inter = cfg.get("intermediate_size", 4 * h)
     if experts:
         moe_inter = cfg.get("moe_intermediate_size") or inter

@@ -30,6 +30,7 @@ from typing import Any
 
 from actors.engines.base import Completion, Engine, Sampling
 from actors.engines.vllm.worker import CPU_LINEAR_ENV, apply_round_async, lora_request, rpc_timeout, use_cpu_linear
+from common.models import num_experts
 from weight_sync.messages import RoundInfo, round_info, to_builtins
 
 log = logging.getLogger(__name__)
@@ -101,9 +102,7 @@ def is_moe(model: str) -> bool:
         config = json.loads((Path(model) / "config.json").read_text())
     except (OSError, ValueError):
         return False
-    text = config.get("text_config", config)
-    experts = max(int(text.get(k) or 0) for k in ("num_experts", "num_local_experts", "n_routed_experts"))
-    return experts > 0
+    return num_experts(config) > 0
 
 
 def _sampling_params(n: int, sampling: Sampling, **extra):
