@@ -3,7 +3,7 @@
     .venv/bin/python bench/chaos.py [--steps 150] [--kills 10] [--faults kill,stop,disk] [--seed 0]
     .venv/bin/python bench/chaos.py --steps 300 --kills 20                       # every kind here
     .venv/bin/python bench/chaos.py --steps 120 --kills 6 --two-node --faults kill,stop,partition
-    .venv/bin/python bench/chaos.py --steps 2000 --kills 8 --sample-s 10 --no-clean  # the soak
+    .venv/bin/python bench/chaos.py --steps 2000 --kills 8 --warm-steps 375 --sample-s 10 --no-clean  # soak
 
 The same run is made twice from the same tiny model and prompts (the demo's config): once untouched
 (`clean_wall_s`), once with `--kills` faults, one per slice of the steps at a random step and moment
@@ -42,6 +42,7 @@ import argparse
 import json
 import os
 import random
+import signal
 import subprocess
 import sys
 import time
@@ -157,11 +158,16 @@ def chaos_run(name: str, out: Path, start, plan: list, faults: FaultRunner, samp
                         waiting.append((kind, time.monotonic()))
             time.sleep(0.5)
         code = proc.returncode
-    finally:
+    except BaseException:  # (past its bound, or the benchmark stopped): nothing left stopped, full or running
         if active is not None:
             faults.undo(active[0], run_dir)
         if proc.poll() is None:
             faults.kill_run(proc)
+            proc.wait(timeout=60)
+        folder.release(keep=out / f"{name}.kept")
+        raise
+    if active is not None:  # (the run ended while a fault was on)
+        faults.undo(active[0], run_dir)
     wall = time.monotonic() - t0
     return {"code": code, "wall_s": wall, "faults": done, "longest_stall_s": longest_stall, "recovery_s": recovery,
             "folder": folder}
@@ -190,11 +196,15 @@ def main() -> None:
     ap.add_argument("--partition-s", type=float, default=20.0, help="how long node B is cut off")
     ap.add_argument("--two-node", action="store_true", help="run across two network namespaces (launch.ray)")
     ap.add_argument("--sample-s", type=float, default=0.0, help="sample every role's memory and descriptors")
+    ap.add_argument("--warm-steps", type=int, default=0,
+                    help="warm-start the tiny model first, as the demo does (default: 375 with --two-node, else 0)")
     ap.add_argument("--no-clean", action="store_true", help="skip the untouched run (no overhead figure)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--timeout-s", type=float, default=3600)
     ap.add_argument("--out", default=str(ROOT / "runs" / "bench_chaos"))
     args = ap.parse_args()
+    # SIGTERM ends the benchmark through its `finally`s: faults undone, the run and the nodes stopped
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
 
     root = os.geteuid() == 0
     kinds = [k for k in args.faults.split(",") if k] or (["kill", "stop"] + (["disk"] if root else [])
@@ -216,6 +226,9 @@ def main() -> None:
     train = make_problems(3000, seed=0)
     prompts = write_jsonl(train, out / "train.jsonl")
     model = build_tiny_model(out / "model", seed=0)
+    warm = args.warm_steps or (375 if args.two_node else 0)
+    if warm:  # (the demo's warm start: the policy has rewards to learn from)
+        model = warm_start(model, out / "warm", train, warm, seed=0, log_every=0)
     nodes = None
     if args.two_node:
         from scripts.netns import TwoNodes, unavailable
@@ -223,7 +236,6 @@ def main() -> None:
         why = unavailable()
         if why:
             sys.exit(f"chaos: --two-node: {why}")
-        model = warm_start(model, out / "warm", train, 375, seed=0, log_every=0)
         nodes = TwoNodes(link="emulated").up()
         nodes.start_head()
         nodes.start_worker()
