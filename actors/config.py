@@ -133,7 +133,8 @@ class GeneratorConfig(WeightSyncAddress, BufferAddress):
     request_timeout_s: float = Field(30.0, gt=0)
     """One buffer request waits this long for its answer."""
     buffer_patience_s: float = 300.0
-    """Give up (exit 1) when the buffer has not answered for this long in a row."""
+    """Give up (exit 1) when the buffer, or the weight-sync service, has not answered for this long in
+    a row (restarting, or out of reach: a network partition)."""
     renew_fraction: float = Field(0.33, gt=0, lt=1)
     """A lease is renewed every renew_fraction * ttl_s while its batch is being generated."""
     renew_after_push_s: float = Field(60.0, ge=0)

@@ -122,7 +122,8 @@ class LeaseKeeper:
     def close(self) -> None:
         self._stop.set()
         self._thread.join(timeout=5)
-        self._client.close()
+        if not self._thread.is_alive():  # (else it still waits on a renewal: its socket is not closed under it)
+            self._client.close()
 
 
 # --------------------------------------------------------------------------------------------
@@ -137,7 +138,10 @@ def generate_batch(engine: Engine, prompt_ids: list[list[int]], n: int, sampling
         return engine.generate(prompt_ids, n, sampling)
     batch = engine.submit(prompt_ids, n, sampling)
     while wait([batch], timeout=sync.poll_s).not_done:
-        sync.poll_mid_batch(engine)
+        try:
+            sync.poll_mid_batch(engine)
+        except TimeoutError:  # the service out of reach: the batch goes on (the loop's poll has the patience)
+            pass
     return batch.result()
 
 
@@ -303,10 +307,11 @@ def episode_rollouts(grant: LeaseGrant, groups, prompt_ids, cfg: GeneratorConfig
 
 
 class _Patience:
-    """Tolerates a buffer that does not answer (restarting, or not up yet) for `limit_s` in a row."""
+    """Tolerates a service that does not answer (restarting, not up yet, or out of reach: a network
+    partition) for `limit_s` in a row."""
 
-    def __init__(self, limit_s: float):
-        self.limit_s = limit_s
+    def __init__(self, limit_s: float, service: str = "buffer"):
+        self.limit_s, self.service = limit_s, service
         self.since: float | None = None
 
     def call(self, fn, *args):
@@ -317,7 +322,7 @@ class _Patience:
             now = time.monotonic()
             self.since = self.since or now
             if now - self.since > self.limit_s:
-                raise TimeoutError(f"buffer silent for {now - self.since:.0f}s: {e}") from None
+                raise TimeoutError(f"{self.service} silent for {now - self.since:.0f}s: {e}") from None
             log.warning("%s; retrying", e)
             return None
         self.since = None
@@ -352,6 +357,7 @@ def run(cfg: GeneratorConfig, stop: threading.Event | None = None) -> int:
                          cfg.renew_after_push_s)
     sync: WeightSyncHook | None = None
     patience = _Patience(cfg.buffer_patience_s)
+    ws_patience = _Patience(cfg.buffer_patience_s, "weight-sync service")  # (as long: the same network)
     counts, last = Counters(), Counters()
     t_log = time.monotonic()
     waiting_since, next_wait_log = None, cfg.log_every_s  # how long the buffer has answered Wait
@@ -370,7 +376,7 @@ def run(cfg: GeneratorConfig, stop: threading.Event | None = None) -> int:
         ready = True
         while not stop.is_set():
             if sync is not None:
-                sync.poll(engine)
+                ws_patience.call(sync.poll, engine)
             reply = patience.call(client.lease, worker_id, cfg.groups_per_lease, engine.version)
             if reply is None:
                 continue
@@ -390,8 +396,8 @@ def run(cfg: GeneratorConfig, stop: threading.Event | None = None) -> int:
                      reply.n_samples, engine.version)
             keeper.hold(reply)
             rollouts = make_rollouts(reply, cfg, engine, sampling, client, worker_id, counts, sync, factory, agents)
-            if rollouts:
-                client.push_rollouts(rollouts)
+            if rollouts:  # (unanswered within patience: dropped; the lease expires and is issued again)
+                patience.call(client.push_rollouts, rollouts)
             keeper.pushed(reply.lease_id)
             if time.monotonic() - t_log >= cfg.log_every_s:
                 _log_throughput(counts, last, time.monotonic() - t_log, keeper, engine.version)

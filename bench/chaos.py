@@ -251,7 +251,7 @@ def main() -> None:
 
     disk_mb = args.disk_mb if "disk" in kinds else 0
     if disk_mb:
-        DISK_FLAGS[:] = ["--run.disk_wait_s", "600"]
+        DISK_FLAGS[:] = ["--run.disk_wait_s", "600", "--run.disk_min_free_mb", str(min(64, disk_mb // 4))]
     faults = FaultRunner(ROLE_KINDS, stop_s=args.stop_s, disk_s=args.disk_s, disk_mb=disk_mb,
                          partition_s=args.partition_s, nodes=nodes, group=nodes is None, say=say,
                          rng=random.Random(args.seed + 1))

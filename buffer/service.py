@@ -5,21 +5,20 @@
     relay_in  PULL    raw rollouts from generators (`rollouts` messages) ...
     relay_out PUSH    ... forwarded, envelope checked, to whichever scorer is free
 
-`BufferService.run` is the loop; `buffer/state.py` holds the bookkeeping it drives (admission,
-leases, groups, batches) and `buffer/store.py` what it keeps on disk. A scored rollout is checked
-once, by its type, as a learner will decode it (`scored_meta`: `protocol.check_scored` accepts
-and refuses what `decode_item` does, without building the arrays the buffer never reads); its
-frame is kept as received (the `zmq.Frame` itself: nothing is copied out of it) and served to the
-learner as it came (`protocol.encode_batch`), never encoded again. Relayed messages go on as
-received too, and every socket is read and written part by part without copies
-(`common.channel.recv_frames`, `send_frames`).
+`BufferService.run` is the loop; `buffer/state.py` holds the bookkeeping it drives (admission, leases, groups,
+batches) and `buffer/store.py` what it keeps on disk. A scored rollout is checked once, by its type, as a learner will
+decode it (`scored_meta`: `protocol.check_scored` accepts and refuses what `decode_item` does, without building the
+arrays the buffer never reads); its frame is kept as received (the `zmq.Frame` itself: nothing is copied out of it)
+and served to the learner as it came (`protocol.encode_batch`), never encoded again. Relayed messages go on as
+received too, and every socket is read and written part by part without copies (`common.channel.recv_frames`,
+`send_frames`).
 
-Nothing a peer sends can stop the loop: a malformed request gets an `Error` reply naming the field,
-a malformed stream message is dropped and counted (`buffer/malformed`), an unexpected exception in
-any socket's handler is counted (`buffer/internal_errors`) and the loop goes on; warnings are
-rate-limited. Nor can a peer make the buffer hold memory without bound: every socket caps a frame
-(MAXMSGSIZE) and what it queues per peer (high-water marks, in messages), and `MemoryGuard` covers
-what libzmq cannot bound (a multipart message that never ends).
+Nothing a peer sends can stop the loop: a malformed request gets an `Error` reply naming the field, a malformed stream
+message is dropped and counted (`buffer/malformed`), an unexpected exception in any socket's handler is counted
+(`buffer/internal_errors`) and the loop goes on; warnings are rate-limited. A full disk (`common.disk.OutOfDisk`) does
+stop it, before it answers the request whose record its state log could not take. Nor can a peer make the buffer hold
+memory without bound: every socket caps a frame (MAXMSGSIZE) and what it queues per peer (high-water marks, in
+messages), and `MemoryGuard` covers what libzmq cannot bound (a multipart message that never ends).
 """
 
 from __future__ import annotations
@@ -67,6 +66,7 @@ from buffer.rules import filter_score
 from buffer.state import BufferState
 from buffer.store import StateStore
 from common.channel import recv_frames, send_frames, send_reply
+from common.disk import OutOfDisk
 from common.guards import MemoryGuard, WarnLimiter, raise_open_files_limit, rss_bytes
 from common.ready import mark_ready
 from common.zap import Guard, server_guard
@@ -79,11 +79,10 @@ EXPIRE_EVERY_S = 0.05
 # Types a peer may receive from the buffer but never send it as a request.
 NOT_REQUESTS = {"lease_grant", "wait", "metrics", "eval_report", "ack", "error", "batch", "rollouts"}
 assert NOT_REQUESTS <= TYPE_NAMES
-# What each socket queues per peer, in whole messages (libzmq counts messages, not bytes; MAXMSGSIZE
-# bounds each frame). A client has one request in flight, so 16 unread replies on control are
-# already a misbehaving peer (a ROUTER drops replies past it). relay_out holds few per scorer: a
-# peer that stops reading (or never was a scorer) strands at most that many, which go back to the
-# queue when their leases expire.
+# What each socket queues per peer, in whole messages (libzmq counts messages, not bytes; MAXMSGSIZE bounds each
+# frame). A client has one request in flight, so 16 unread replies on control are already a misbehaving peer (a ROUTER
+# drops replies past it). relay_out holds few per scorer: a peer that stops reading (or never was a scorer) strands at
+# most that many, which go back to the queue when their leases expire.
 RCVHWM = {"control": 16, "ingest": 32, "relay_in": 32, "relay_out": 1}
 SNDHWM = {"control": 16, "ingest": 1, "relay_in": 1, "relay_out": 4}
 
@@ -125,8 +124,7 @@ class BufferService:
         # CurveZMQ: who may connect, and what each may ask (buffer/access.py); None on trusted loopback
         self.guard = server_guard(cfg.curve, cfg.host, self.ctx, "buffer")
         prompts = prompts_from_config(cfg)
-        self.store = (StateStore(cfg.state_dir, cfg.fsync, int(cfg.compact_mb * 1e6))
-                      if cfg.state_dir else None)
+        self.store = StateStore(cfg.state_dir, cfg.fsync, int(cfg.compact_mb * 1e6)) if cfg.state_dir else None
         if resume and not (self.store and self.store.exists()):
             where = f"{cfg.state_dir}/" if cfg.state_dir else "(buffer.state_dir is not set)"
             raise ResumeError(f"--resume: no saved buffer state in {where}")
@@ -163,8 +161,7 @@ class BufferService:
     def _bind(self, kind: int, name: str, tries: int = 1) -> zmq.Socket:
         s = self.ctx.socket(kind)
         s.setsockopt(zmq.LINGER, 0)
-        # a peer sending a bigger frame is disconnected before the frame fills our memory (any
-        # socket type reads what a peer sends, even a PUSH)
+        # a peer sending a bigger frame is disconnected before it fills our memory (any socket reads, even a PUSH)
         s.setsockopt(zmq.MAXMSGSIZE, self.limits.max_frame_bytes)
         s.setsockopt(zmq.RCVHWM, RCVHWM[name])
         s.setsockopt(zmq.SNDHWM, SNDHWM[name])
@@ -282,6 +279,8 @@ class BufferService:
     def _guarded(self, handle, *args) -> None:
         try:
             handle(*args)
+        except OutOfDisk:  # what the state log cannot hold must not be answered: the buffer stops
+            raise
         except Exception:  # a bug must not take the buffer (and every accepted rollout) down
             self.state.counters["internal_errors"] += 1
             self.warnings.warn("internal", "internal error while handling a message; carrying on", exc_info=True)
@@ -303,6 +302,8 @@ class BufferService:
                 reply = encode(Error(str(e), e.field))
             except RequestError as e:
                 reply = encode(Error(e.message, e.field))
+            except OutOfDisk:  # its record is not in the log: no reply (see _guarded)
+                raise
             except Exception as e:
                 self.state.counters["internal_errors"] += 1
                 self.warnings.warn("internal", "internal error while serving a request", exc_info=True)
@@ -476,10 +477,9 @@ class BufferService:
         m = self.state.metrics(now)
         log.info("version %d | groups queued %d leased %d issued %d/%d | accepted %d served %d | dropped "
                  "stale %d failed %d overflow %d filtered %d | late %d malformed %d | %.0f rollouts/s in",
-                 m["buffer/version"], m["buffer/queued_groups"], m["buffer/leased_groups"],
-                 m["buffer/issued_groups"], m["buffer/total_groups"], m["buffer/accepted_groups"],
-                 m["buffer/served_groups"], m["buffer/dropped_stale"], m["buffer/failed_groups"],
-                 m["buffer/dropped_overflow"], m["buffer/filtered"], m["buffer/late"], m["buffer/malformed"],
+                 *(m[f"buffer/{k}"] for k in ("version", "queued_groups", "leased_groups", "issued_groups",
+                                              "total_groups", "accepted_groups", "served_groups", "dropped_stale",
+                                              "failed_groups", "dropped_overflow", "filtered", "late", "malformed")),
                  self._summary_rollouts / max(interval, 1e-9))
         self._summary_rollouts = 0
         self._next_summary = now + self.cfg.log_interval_s

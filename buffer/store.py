@@ -25,6 +25,11 @@ request that caused it: a killed buffer loses nothing it acknowledged. `fsync` d
 lost machine may lose: `never` (the OS writes back when it likes), `batch` (fsync once per pass
 of the buffer's loop that wrote anything), `record` (fsync after every record), or a number of
 seconds (fsync at most that often). A torn last record (a kill mid-write) is ignored on load.
+
+A full disk (`common.disk.OutOfDisk`, naming the log): a record that cannot be written whole is cut
+off again (the log ends with the last whole record) and the error goes up, so the buffer stops
+before it answers the request that caused it; a rewrite that cannot be written leaves the old log
+as it was and removes its temporary file.
 """
 
 from __future__ import annotations
@@ -40,6 +45,7 @@ from pathlib import Path
 import msgpack
 
 from buffer.config import fsync_policy
+from common.disk import writing
 
 log = logging.getLogger("buffer.store")
 
@@ -171,14 +177,18 @@ class StateStore:
         """Replace the log by a snapshot, atomically (a kill mid-way leaves the old log)."""
         tmp = self.path.with_suffix(".tmp")
         self.dir.mkdir(parents=True, exist_ok=True)
-        with open(tmp, "wb") as f:
-            f.write(_pack(["base", next_group, next_lease_id, version, list(open_ids),
-                           [[g, c, v] for g, (c, v) in sorted(dropped.items())]]))
-            f.write(_pack(["counters", dict(counters)]))
-            for gid, frames in groups:
-                f.write(_pack(["group", gid, frames]))
-            f.flush()
-            os.fsync(f.fileno())
+        try:
+            with writing(tmp), open(tmp, "wb") as f:
+                f.write(_pack(["base", next_group, next_lease_id, version, list(open_ids),
+                               [[g, c, v] for g, (c, v) in sorted(dropped.items())]]))
+                f.write(_pack(["counters", dict(counters)]))
+                for gid, frames in groups:
+                    f.write(_pack(["group", gid, frames]))
+                f.flush()
+                os.fsync(f.fileno())
+        except BaseException:
+            tmp.unlink(missing_ok=True)  # the old log stays whole
+            raise
         reopen = self._f is not None
         if reopen:
             self._f.close()
@@ -217,19 +227,25 @@ class StateStore:
     def _write(self, parts: list) -> None:
         """Append one record's bytes, `parts` in order, in a system call per IOV_MAX parts
         (unbuffered: in the OS before the request that caused it is answered)."""
-        fd = self._f.fileno()
-        for i in range(0, len(parts), _IOV_MAX):
-            chunk = parts[i:i + _IOV_MAX]
-            done, want = os.writev(fd, chunk), sum(map(len, chunk))
-            if done < want:  # (a short write: a signal, a full disk) the rest, or OSError
-                rest = b"".join(map(bytes, chunk))[done:]
-                while rest:
-                    rest = rest[os.write(fd, rest):]
-            self._size += want
-        self._dirty = True
-        if self.fsync_every == 0.0:
-            os.fsync(fd)
-            self._dirty = False
+        fd, start = self._f.fileno(), self._size
+        try:
+            with writing(self.path):
+                for i in range(0, len(parts), _IOV_MAX):
+                    chunk = parts[i:i + _IOV_MAX]
+                    done, want = os.writev(fd, chunk), sum(map(len, chunk))
+                    if done < want:  # (a short write: a signal, a full disk) the rest, or OSError
+                        rest = b"".join(map(bytes, chunk))[done:]
+                        while rest:
+                            rest = rest[os.write(fd, rest):]
+                    self._size += want
+                self._dirty = True
+                if self.fsync_every == 0.0:
+                    os.fsync(fd)
+                    self._dirty = False
+        except OSError:
+            os.ftruncate(fd, start)  # (half a record: cut off, the log ends with the last whole one)
+            self._size = start
+            raise
 
     def lease(self, lease_id: int, group_ids: list[int]) -> None:
         self._append(["lease", lease_id, group_ids])
@@ -260,7 +276,8 @@ class StateStore:
             return
         now = time.monotonic()
         if self.fsync_every < 0 or now - self._last_fsync >= self.fsync_every:
-            os.fsync(self._f.fileno())
+            with writing(self.path):
+                os.fsync(self._f.fileno())
             self._dirty = False
             self._last_fsync = now
 

@@ -15,7 +15,8 @@
 - one log format for every role, on stderr (`LOG_FORMAT`);
 - the exit code: the one `run` returns, or for a known error (a bad config, key folder, saved
   state, prompt file, environment or dataset: `KNOWN_ERRORS`) its message in one line and the
-  code `launch.recovery.EXIT_CODES` gives it.
+  code `launch.recovery.EXIT_CODES` gives it. A full disk (`common.disk.OutOfDisk`: exit code 9)
+  first deletes the launcher's reserve file, so that the line naming the path reaches the log.
 
 Light on purpose: the role's own module (torch, vllm, deepspeed) is imported only once its config
 is read, so every `--help` answers at once.
@@ -33,6 +34,7 @@ from typing import Any, Callable, Mapping, Sequence
 from buffer.config import BufferAddress, BufferConfig
 from common.config import Alias, Section, build, load_section, read_yaml, render_help, split_argv, wants_help
 from common.curve import default_identity
+from common.disk import release_reserve
 from launch.config import tie_addresses
 from launch.recovery import EXIT_CODES
 
@@ -50,6 +52,7 @@ KNOWN_ERRORS = {
     "buffer.store:StateLocked": "config",
     "actors.envs.api:EnvLoadError": "config",
     "learner.offline.loop:SetupError": "config",
+    "common.disk:OutOfDisk": "disk",
 }
 
 
@@ -91,7 +94,12 @@ def role_main(section: str, cls: type[Section], run: str, doc: str, argv: Sequen
         kind = known_error(e) or ("failed" if isinstance(e, failed) else None)
         if kind is None:
             raise
-        print(f"{prog}: {e}", file=sys.stderr)
+        if kind == "disk":
+            release_reserve()  # (room for this line, and for the launcher's)
+        try:
+            print(f"{prog}: {e}", file=sys.stderr, flush=True)
+        except OSError:  # (a full disk and no reserve: the exit code says it)
+            pass
         return EXIT_CODES[kind]
 
 

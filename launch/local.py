@@ -9,12 +9,15 @@ gets a progress bar with a one-line status (step, reward, staleness, throughput)
 required role's failure stops every process (whole process groups: no orphans, no leaked ports),
 and the exit code says what failed:
 
-    0 done  2 bad config  3 buffer  4 weight sync  5 learner  6 generators  7 scorers  8 stalled  130 Ctrl-C
+    0 done  2 bad config  3 buffer  4 weight sync  5 learner  6 generators  7 scorers  8 stalled  9 disk full
+    130 Ctrl-C
 
 What heals by itself: a generator or scorer that dies is started again (`run.max_restarts` each,
 after `run.restart_delay_s`); with `run.auto_resume N`, a learner, buffer or weight-sync crash
 restarts the whole run from its last checkpoint, up to N times. A run that finishes no step for
-`run.stall_timeout_s` stops with exit code 8 and the buffer's account of why. Each such event is
+`run.stall_timeout_s` stops with exit code 8 and the buffer's account of why. A role that runs out of
+disk space stops the run with exit code 9 and the path it could not write; with `run.auto_resume`
+the run waits for space (`run.disk_wait_s`, `run.disk_min_free_mb`) and resumes. Each such event is
 said on the terminal and in `<run_dir>/logs/launcher.log`.
 
 Before anything starts, the run's device plan (launch/devices/) gives every role process its own
@@ -41,7 +44,7 @@ import time
 from pathlib import Path
 
 from launch.devices.view import device_plan, print_plan  # noqa: F401 (launch.demo takes them from here)
-from launch.recovery import EXIT_CODES, RESUMABLE
+from launch.recovery import EXIT_CODES, LAUNCHER_RESERVE, RESERVE_NAME, RESUMABLE
 
 
 def plan_roles(run, devices=None) -> list:
@@ -108,7 +111,9 @@ def run_local(run, quiet: bool = False) -> int:
     With `run.auto_resume`, a crash of a core role starts the whole run again from its checkpoint."""
     from collections import Counter
 
+    from common.disk import release_reserve
     from launch.recovery import last_checkpoint, launcher_log, with_auto_resume, write_exit
+    from launch.roles import write_status
 
     run_dir = Path(run.run.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -120,14 +125,24 @@ def run_local(run, quiet: bool = False) -> int:
     def on_sigterm(signum, frame):
         raise KeyboardInterrupt
 
+    def waiting_for_disk(state: dict) -> None:  # (status.json says it, while it lasts)
+        try:
+            write_status(run_dir, {"launcher": "launch.local", "waiting_for_disk": state})
+        except OSError:
+            pass
+
     old = signal.signal(signal.SIGTERM, on_sigterm)
     try:
-        code, resumes = with_auto_resume(run, lambda: run_once(run, quiet, say, restarts), say, codes)
+        code, resumes = with_auto_resume(run, lambda: run_once(run, quiet, say, restarts), say, codes,
+                                         on_wait=waiting_for_disk)
     finally:
         signal.signal(signal.SIGTERM, old)
+        release_reserve(run_dir / RESERVE_NAME)
+        release_reserve(run_dir / LAUNCHER_RESERVE)
     reason = say.last if code else ""
     if code in RESUMABLE:
-        say(f"every role was stopped; to go on from checkpoint {last_checkpoint(run_dir)}: the same command "
+        say(f"every role was stopped; to go on from checkpoint {last_checkpoint(run_dir)}: "
+            f"{'free some disk space, then ' if code == EXIT_CODES['disk'] else ''}the same command "
             f"with --learner.resume true (or run.auto_resume N to do it by itself)")
     write_exit(run_dir, code, time.monotonic() - started, resumes=resumes, restarts=sum(restarts.values()),
                attempts=codes, reason=reason)
@@ -136,6 +151,7 @@ def run_local(run, quiet: bool = False) -> int:
 
 def run_once(run, quiet: bool, say, restarts) -> int:
     """One start of the whole run: every role up, supervised until the learner exits; the exit code."""
+    from common.disk import release_reserve, reserve
     from launch.ports import free_port_block
     from launch.recovery import ProgressWatch, Stalled, buffer_diagnosis
     from launch.roles import write_status
@@ -146,16 +162,21 @@ def run_once(run, quiet: bool, say, restarts) -> int:
     run_dir = Path(r.run_dir)
     assign_ports(run, r.base_port or free_port_block(6))
     config_path = write_resolved(run, run_dir / "config.yaml")
+    reserve(run_dir / LAUNCHER_RESERVE, for_roles=False)  # (room for its own last words: common/disk.py)
+    reserve(run_dir / RESERVE_NAME)  # (its roles find it in $CONVEYOR_DISK_RESERVE)
     started = time.monotonic()
     status = None
     sup = Supervisor(run_dir / "logs", run_dir / "ready", restarts=restarts, say=say)
     launched = False
 
     def report(**extra) -> None:
-        write_status(run_dir, {"launcher": "launch.local", "buffer": f"{run.buffer.host}:{run.buffer.port}",
-                               "weight_sync": f"{run.weight_sync.host}:{run.weight_sync.port}",
-                               "resumed": bool(run.learner.resume), "launched": launched, "roles": sup.status(),
-                               **extra})
+        try:
+            write_status(run_dir, {"launcher": "launch.local", "buffer": f"{run.buffer.host}:{run.buffer.port}",
+                                   "weight_sync": f"{run.weight_sync.host}:{run.weight_sync.port}",
+                                   "resumed": bool(run.learner.resume), "launched": launched,
+                                   "roles": sup.status(), **extra})
+        except OSError:  # a full disk: the roles that write say it (exit code 9)
+            pass
 
     try:
         try:
@@ -191,8 +212,12 @@ def run_once(run, quiet: bool, say, restarts) -> int:
         say(f"stalled: {e}")
         code = EXIT_CODES["stalled"]
     except RoleFailed as e:
+        if e.code == EXIT_CODES["disk"]:  # out of disk space, whichever role met it
+            release_reserve(run_dir / LAUNCHER_RESERVE)  # (every role is stopped: room for what is said now)
+            code = EXIT_CODES["disk"]
+        else:
+            code = EXIT_CODES.get(e.role.split("-")[0], 1)
         say(str(e))
-        code = EXIT_CODES.get(e.role.split("-")[0], 1)
     except KeyboardInterrupt:
         say("interrupted, stopping every role")
         code = 130

@@ -74,7 +74,10 @@ class Process:
         full_env = {**os.environ, **(env or {}), READY_ENV: str(self.ready_path)}
         with open(self.log_path, "ab", buffering=0) as log:
             if banner:
-                log.write(f"=== {banner}\n".encode())
+                try:
+                    log.write(f"=== {banner}\n".encode())
+                except OSError:  # (a full disk: the role still starts; the launcher's own line says why)
+                    pass
             self.popen = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                           env=full_env, cwd=cwd if cwd and Path(cwd).is_dir() else None,
                                           start_new_session=True)

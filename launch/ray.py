@@ -37,6 +37,8 @@ A learner rank, the buffer or the weight-sync service dying
   last checkpoint (every actor and placement group of the job is freed first, the cluster stays;
   addresses are discovered again), up to N times; without, go on from it with
   `--learner.resume true`. A run past `run.max_wall_s` (counted from its first start) is not resumed.
+  A role out of disk space exits with code 9, which stops the run; with `run.auto_resume` the driver
+  first waits for space in the run folder as it sees it (`run.disk_wait_s`, `run.disk_min_free_mb`).
 - A run whose learner finishes no step for `run.stall_timeout_s` (learner rank 0's metrics.jsonl
   stops growing) stops with exit code 8 and the buffer's account of why no batch comes; it is not
   resumed. Ctrl-C, SIGTERM and `launch.ray stop` are never resumed either (130).
@@ -129,7 +131,8 @@ def run_ray(rcfg, run, config_name: str = "CONFIG", quiet: bool = False) -> int:
     placement groups and starts it again from the last checkpoint, on the same cluster."""
     import ray
 
-    from launch.recovery import with_auto_resume, write_exit
+    from common.disk import release_reserve, reserve
+    from launch.recovery import LAUNCHER_RESERVE, with_auto_resume, write_exit
 
     run_dir = Path(run.run.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -152,9 +155,13 @@ def run_ray(rcfg, run, config_name: str = "CONFIG", quiet: bool = False) -> int:
         nonlocal attempts, restarts
         attempts += 1
         job = RayRun(rcfg, run, quiet, say, attempt=attempts, t0=started)
+        reserve(run_dir / LAUNCHER_RESERVE, for_roles=False)  # (room for the driver's last words on a full disk)
         try:
             # each attempt writes the resolved configs again: learner.resume, the discovered ports
-            return attempt_code(job.go, say)
+            code = attempt_code(job.go, say)
+            if code == EXIT_CODES["disk"]:
+                release_reserve(run_dir / LAUNCHER_RESERVE)
+            return code
         finally:
             signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second signal must not cut the shutdown short
             try:
@@ -174,6 +181,7 @@ def run_ray(rcfg, run, config_name: str = "CONFIG", quiet: bool = False) -> int:
         say(f"{str(e) or 'interrupted'}, stopping")
         code, resumes = 130, max(attempts - 1, 0)
     finally:
+        release_reserve(run_dir / LAUNCHER_RESERVE)
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
         try:
             if own_cluster:

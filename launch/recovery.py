@@ -7,6 +7,10 @@
   with `learner.resume true`, up to `run.auto_resume` times. The learner resumes from its last
   checkpoint and the buffer puts itself at that point (the resume handshake), so nothing is
   trained twice and nothing is lost.
+- a full disk: a role that cannot write (`common.disk.OutOfDisk`) exits with code 9 naming the path.
+  With `run.auto_resume`, the launcher first waits, at most `run.disk_wait_s`, for
+  `run.disk_min_free_mb` to be free on every filesystem the run writes (`wait_for_space`), then
+  resumes as above; else the run stops with code 9.
 """
 
 from __future__ import annotations
@@ -17,10 +21,15 @@ import time
 from pathlib import Path
 from typing import Callable
 
+from common.disk import free_bytes, mount_point
+
 # "failed": a failure no other key names (a role that cannot bind its port, ...)
 EXIT_CODES = {"failed": 1, "config": 2, "buffer": 3, "weight_sync": 4, "learner": 5, "generator": 6, "scorer": 7,
-              "stalled": 8}
-RESUMABLE = {EXIT_CODES["buffer"], EXIT_CODES["weight_sync"], EXIT_CODES["learner"]}
+              "stalled": 8, "disk": 9}
+# (a full disk once there is space again: `with_auto_resume`)
+RESUMABLE = {EXIT_CODES["buffer"], EXIT_CODES["weight_sync"], EXIT_CODES["learner"], EXIT_CODES["disk"]}
+# room for the last words of a run that fills its disk (common/disk.py): its roles', and the launcher's own
+RESERVE_NAME, LAUNCHER_RESERVE = ".disk_reserve", ".disk_reserve_launcher"
 
 
 class Stalled(RuntimeError):
@@ -73,17 +82,56 @@ def last_checkpoint(run_dir: str | Path) -> str:
         return "none yet: from step 0"
 
 
+def written_dirs(run) -> list[Path]:
+    """The folders a run writes (the run folder, the buffer's state): where a full disk can stop it."""
+    return [Path(d) for d in dict.fromkeys([run.run.run_dir, run.buffer.state_dir or run.run.run_dir])]
+
+
+def wait_for_space(paths: list[Path], min_free_mb: float, wait_s: float, say: Callable[[str], None],
+                   on_wait: Callable[[dict], None] | None = None, poll_s: float = 1.0) -> bool:
+    """True once the filesystem of every path has `min_free_mb` free, polled for at most `wait_s`
+    (0: looked at once); False past it. Says once what it waits for; `on_wait(state)` at each poll."""
+    need = min_free_mb * 1e6
+    deadline = time.monotonic() + wait_s
+
+    def short() -> dict[str, int]:  # mount point -> free bytes, where fewer than `need`
+        return {str(mount_point(p)): free for p in paths if (free := free_bytes(p)) < need}
+
+    lacking = short()
+    if lacking and wait_s > 0:
+        say(f"waiting up to {wait_s:g} s for {min_free_mb:g} MB free on "
+            + ", ".join(f"{m} (free now {free / 1e6:.1f} MB)" for m, free in lacking.items())
+            + " (run.disk_wait_s, run.disk_min_free_mb)")
+    while lacking and time.monotonic() < deadline:
+        if on_wait is not None:
+            on_wait({"need_mb": min_free_mb, "free_mb": {m: round(f / 1e6, 3) for m, f in lacking.items()},
+                     "left_s": round(deadline - time.monotonic(), 1)})
+        time.sleep(poll_s)
+        lacking = short()
+    if lacking:
+        say(f"not enough free space after run.disk_wait_s={wait_s:g}: "
+            + ", ".join(f"{m} has {free / 1e6:.1f} MB free (run.disk_min_free_mb={min_free_mb:g})"
+                        for m, free in lacking.items()))
+    return not lacking
+
+
 def with_auto_resume(run, attempt: Callable[[], int], say: Callable[[str], None],
-                     codes: list[int] | None = None) -> tuple[int, int]:
+                     codes: list[int] | None = None,
+                     on_wait: Callable[[dict], None] | None = None) -> tuple[int, int]:
     """Run `attempt()` (one start of the whole run; exit code) again with `learner.resume` set after a
-    learner, buffer or weight-sync crash, up to `run.run.auto_resume` times. Returns (code, resumes);
-    each attempt's code is appended to `codes`."""
+    learner, buffer or weight-sync crash, up to `run.run.auto_resume` times; after a full disk (9)
+    once there is space again (`wait_for_space`, `on_wait`). Returns (code, resumes); each
+    attempt's code is appended to `codes`."""
     resumes = 0
+    r = run.run
     while True:
         code = attempt()
         if codes is not None:
             codes.append(code)
-        if code not in RESUMABLE or resumes >= run.run.auto_resume:
+        if code not in RESUMABLE or resumes >= r.auto_resume:
+            return code, resumes
+        if code == EXIT_CODES["disk"] and not wait_for_space(written_dirs(run), r.disk_min_free_mb, r.disk_wait_s,
+                                                             say, on_wait):
             return code, resumes
         resumes += 1
         run.learner.resume = True
@@ -106,9 +154,12 @@ class LauncherLog:
         self.last = msg
         tqdm.write(f"{self.launcher}: {msg}", file=sys.stderr)
         sys.stderr.flush()
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        with open(self.path, "a") as f:
-            f.write(f"{time.strftime('%Y-%m-%d %H:%M:%S')} {msg}\n")
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            with open(self.path, "a") as f:
+                f.write(f"{time.strftime('%Y-%m-%d %H:%M:%S')} {msg}\n")
+        except OSError as e:  # a full disk: the terminal has the line
+            tqdm.write(f"{self.launcher}: (not in {self.path}: {e})", file=sys.stderr)
 
 
 launcher_log = LauncherLog
@@ -117,4 +168,8 @@ launcher_log = LauncherLog
 def write_exit(run_dir: Path, code: int, wall_s: float, **counts) -> None:
     """`<run_dir>/exit.json`: the code, the wall time and what the launcher counted (resumes,
     restarts, each attempt's code, the reason of a failure)."""
-    (Path(run_dir) / "exit.json").write_text(json.dumps({"code": code, "wall_s": wall_s, **counts}) + "\n")
+    text = json.dumps({"code": code, "wall_s": wall_s, **counts}) + "\n"
+    try:
+        (Path(run_dir) / "exit.json").write_text(text)
+    except OSError as e:  # a full disk: said where it can be
+        print(f"cannot write {Path(run_dir) / 'exit.json'} ({e}): {text}", file=sys.stderr, flush=True)

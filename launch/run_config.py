@@ -74,6 +74,13 @@ class RunConfig(Section):
     stall_timeout_s: float = Field(1200.0, ge=0)
     """Stop the run (exit code 8) when the learner finishes no step for this many seconds, and say
     why (the buffer's diagnosis); 0: never."""
+    disk_wait_s: float = Field(600.0, ge=0)
+    """With `auto_resume`: after a role ran out of disk space (exit code 9), wait at most this many
+    seconds for `disk_min_free_mb` to be free on the run's filesystems (its folder, buffer.state_dir),
+    then resume; past it, stop with code 9. 0: resume only if the space is free already."""
+    disk_min_free_mb: float = Field(1024.0, ge=0)
+    """The free space (MB, 10^6 bytes) a run out of disk waits for before it resumes by itself: at
+    least a checkpoint's size, or the run fills the disk again at its next save."""
 
     gpus: str = "auto"
     """GPUs the run may use on each machine: `auto` (every GPU nvidia-smi lists, or

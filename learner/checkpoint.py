@@ -8,7 +8,9 @@ A folder holds
   trainer_state.json  {"step": N, ...}: the next step to train and ask the buffer for, and the
                     loop's own state (`extra`: the RL learner's adaptive KL coefficient)
 and `<run_dir>/checkpoints/latest` names the newest complete one; it is written last, so a run
-killed while saving resumes from the previous checkpoint.
+killed while saving resumes from the previous checkpoint. A folder without trainer_state.json is
+never resumed from. A save that meets a full disk raises `common.disk.OutOfDisk` naming the folder,
+after removing what it wrote (`latest` still names the previous checkpoint).
 
 With LoRA the HF files are the merged model (base + adapter), written only when asked
 (`merged=True`: `lora_save_merged`, and the run's final checkpoint); `adapter/` is always
@@ -30,6 +32,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from common.disk import writing
 from learner.engine import iter_full_params
 from learner.lora import is_lora, save_adapter
 
@@ -80,8 +83,23 @@ def save_checkpoint(run_dir: str | Path, step: int, policy, critic=None, tokeniz
     A LoRA policy saves its adapter, and the merged HF model only with `merged`; any other
     policy always saves its HF model. `also(folder)` (collective) writes more into it before it is
     marked complete (the EMA: a checkpoint resumed from never lacks what it was saved with)."""
-    root = checkpoints_dir(run_dir)
-    out = root / f"step_{step}"
+    out = checkpoints_dir(run_dir) / f"step_{step}"
+    try:
+        # (torch.save says only "file write failed": a failure on a nearly full disk counts as a full one)
+        with writing(out, nearly_full=True):
+            _save(run_dir, out, step, policy, critic, tokenizer_src, extra, keep, merged, also)
+    except BaseException:
+        latest = checkpoints_dir(run_dir) / "latest"
+        if dist.get_rank() == 0 and not (latest.is_file() and latest.read_text().strip() == out.name):
+            shutil.rmtree(out, ignore_errors=True)  # (half-written: never resumed from, and its space is back)
+            latest.with_name("latest.tmp").unlink(missing_ok=True)
+        raise
+    dist.barrier()
+    return out
+
+
+def _save(run_dir, out: Path, step: int, policy, critic, tokenizer_src, extra, keep, merged, also) -> None:
+    root = out.parent
     if dist.get_rank() == 0:
         if out.exists():  # a half-written one from a killed run
             shutil.rmtree(out)
@@ -108,8 +126,6 @@ def save_checkpoint(run_dir: str | Path, step: int, policy, critic=None, tokeniz
         if keep:
             for old in list_checkpoints(run_dir)[:-keep]:
                 shutil.rmtree(old, ignore_errors=True)
-    dist.barrier()
-    return out
 
 
 def list_checkpoints(run_dir: str | Path) -> list[Path]:

@@ -6,6 +6,10 @@ before the checkpoint is marked complete. A learner resuming at step N keeps exa
 (a crashed lineage's later steps are cut off) and tells the buffer the groups they hold, so the
 buffer can issue again everything else it had served. What remains after a run is the final
 lineage: `python -m launch.ledger RUN_DIR` audits it (no group trained twice, none lost).
+
+A full disk raises `common.disk.OutOfDisk` naming the ledger: a line that cannot be written whole
+is cut off again (the file ends with the last whole line), and a rewrite at `start` that cannot be
+written leaves the old ledger as it was.
 """
 
 from __future__ import annotations
@@ -14,6 +18,8 @@ import json
 import os
 import time
 from pathlib import Path
+
+from common.disk import writing
 
 LEDGER_NAME = "ledger.jsonl"
 
@@ -41,7 +47,7 @@ class Ledger:
     def __init__(self, run_dir: str | Path):
         self.path = Path(run_dir) / LEDGER_NAME
         self.steps: dict[int, list[int]] = {}
-        self._f = None
+        self._fd: int | None = None  # appended to unbuffered: a failed line is cut off, never left to a flush
 
     def start(self, step: int) -> None:
         """Keep the lines of steps < `step` (the checkpoint being resumed), drop the rest, open for appending."""
@@ -54,29 +60,40 @@ class Ledger:
         self.steps = {s: found[s] for s in range(step)}
         self.path.parent.mkdir(parents=True, exist_ok=True)
         tmp = self.path.with_name(self.path.name + ".tmp")
-        with open(tmp, "w") as f:
-            for s in range(step):
-                f.write(json.dumps({"step": s, "groups": self.steps[s]}) + "\n")
-            f.flush()
-            os.fsync(f.fileno())
+        try:
+            with writing(tmp), open(tmp, "w") as f:
+                for s in range(step):
+                    f.write(json.dumps({"step": s, "groups": self.steps[s]}) + "\n")
+                f.flush()
+                os.fsync(f.fileno())
+        except BaseException:
+            tmp.unlink(missing_ok=True)  # the old ledger stays whole
+            raise
         os.replace(tmp, self.path)
-        self._f = open(self.path, "a")
+        self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
 
     def trained(self) -> list[int]:
         return [g for s in sorted(self.steps) for g in self.steps[s]]
 
     def append(self, step: int, group_ids: list[int]) -> None:
+        data = (json.dumps({"step": step, "groups": list(group_ids), "wall": round(time.time(), 3)}) + "\n").encode()
+        start = os.lseek(self._fd, 0, os.SEEK_END)
+        try:
+            with writing(self.path):
+                while data:
+                    data = data[os.write(self._fd, data):]
+        except OSError:
+            os.ftruncate(self._fd, start)  # (half a line: cut off)
+            raise
         self.steps[step] = list(group_ids)
-        self._f.write(json.dumps({"step": step, "groups": list(group_ids), "wall": round(time.time(), 3)}) + "\n")
-        self._f.flush()
 
     def sync(self) -> None:
         """Before a checkpoint is marked complete: the lines it relies on are on disk."""
-        if self._f is not None:
-            self._f.flush()
-            os.fsync(self._f.fileno())
+        if self._fd is not None:
+            with writing(self.path):
+                os.fsync(self._fd)
 
     def close(self) -> None:
-        if self._f is not None:
-            self._f.close()
-            self._f = None
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None

@@ -4,6 +4,8 @@ Each rank builds the same keys; `reduce_across_ranks` turns them into the step's
 writes them: tensorboard under the run folder, one JSON line per step, wandb when asked for. Names
 are grouped by prefix (`loss/`, `policy/`, `buffer/`, `optim/`, `perf/`, `time/`), so tensorboard
 shows one section per prefix. Light: torch is imported only by the functions that reduce.
+A full disk raises `common.disk.OutOfDisk` naming metrics.jsonl (a line that cannot be written whole
+is cut off again) or the tensorboard folder.
 """
 
 from __future__ import annotations
@@ -11,10 +13,13 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import os
 import sys
 import time
 from pathlib import Path
 from typing import Any
+
+from common.disk import writing
 
 # summed over ranks (every other key is a mean, or a min / max by its suffix)
 SUMMED = ("perf/tokens", "perf/samples")
@@ -81,7 +86,9 @@ class MetricsWriter:
                  config: dict[str, Any] | None = None):
         self.run_dir = Path(run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        self._jsonl = open(self.run_dir / "metrics.jsonl", "a", buffering=1)
+        self.jsonl_path = self.run_dir / "metrics.jsonl"
+        # appended to unbuffered: a line that fails is cut off, never left to a later flush
+        self._jsonl: int | None = os.open(self.jsonl_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
         self._tb = None
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter
@@ -102,12 +109,21 @@ class MetricsWriter:
         clean = {k: float(v) for k, v in sorted(values.items())}
         # JSON has no NaN/inf: they become null (e.g. the grad norm when DeepSpeed does not compute it)
         # `time`: wall clock when the step was logged (for throughput to K steps across runs)
-        self._jsonl.write(json.dumps({"step": step, "time": time.time(), **{k: v if math.isfinite(v) else None
-                                                       for k, v in clean.items()}}) + "\n")
+        data = (json.dumps({"step": step, "time": time.time(), **{k: v if math.isfinite(v) else None
+                                                                  for k, v in clean.items()}}) + "\n").encode()
+        start = os.lseek(self._jsonl, 0, os.SEEK_END)
+        try:
+            with writing(self.jsonl_path):
+                while data:
+                    data = data[os.write(self._jsonl, data):]
+        except OSError:
+            os.ftruncate(self._jsonl, start)  # (half a line: cut off)
+            raise
         if self._tb is not None:
-            for k, v in clean.items():
-                self._tb.add_scalar(k, v, step)
-            self._tb.flush()
+            with writing(self.run_dir / "tensorboard"):
+                for k, v in clean.items():
+                    self._tb.add_scalar(k, v, step)
+                self._tb.flush()
         if self._wandb is not None:
             self._wandb.log(clean, step=step)
 
@@ -117,11 +133,16 @@ class MetricsWriter:
         return cls(run_dir, cfg.tensorboard, cfg.wandb_project, config=config_dict(cfg))
 
     def close(self) -> None:
-        if self._jsonl.closed:
+        if self._jsonl is None:
             return
-        self._jsonl.close()
+        os.close(self._jsonl)
+        self._jsonl = None
         if self._tb is not None:
-            self._tb.close()
+            try:
+                self._tb.close()
+            except OSError as e:  # (what it could not write, `log` raised already, or says here)
+                print(f"learner: tensorboard events under {self.run_dir / 'tensorboard'} not all written: {e}",
+                      file=sys.stderr)
         if self._wandb is not None:
             self._wandb.finish()
 

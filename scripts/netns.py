@@ -22,6 +22,13 @@ two namespaces is ever addressed: they have no route but their /24.
 
 `unavailable()` says why the machine cannot do this (not root, no `ip`, namespaces refused); the
 tests skip with that reason. `scripts/two_node.py` is the same cluster for people.
+
+`TwoNodes(link="emulated")` joins the namespaces by two TAP devices and a forwarder process
+(scripts/link.py) instead of the veth pair, so the link can be made worse while a run goes:
+`impair(delay_ms=50, jitter_ms=10, loss=0.01, rate_mbit=20)`, `partition()` (node B unreachable,
+both ways) and `heal()`, `clear()` (a clean link again). Changes apply at once. The forwarder
+lives in neither namespace (`kill_node` leaves the wire alone); `down()` ends it.
+`unavailable("emulated")` adds what the link needs (/dev/net/tun).
 """
 
 from __future__ import annotations
@@ -37,10 +44,20 @@ import tempfile
 import time
 from pathlib import Path
 
+from scripts.link import MTU, Link, tap_unavailable
+
 ROOT = Path(__file__).resolve().parents[1]
 VENV_BIN = ROOT / ".venv" / "bin"
 GCS_PORT = 6379  # free in a namespace of our own, whatever the machine runs
 SUBNET = "10.213"  # 10.213.X.0/24: private, and only ever routed inside the two namespaces
+
+
+# Ray's health checks for a cluster whose link may be cut for a while: a node is declared dead after
+# 60 missed checks of 1 s (at least a minute), where `ray_env`'s 3 would turn a partition of more
+# than ~3 s into a node lost. (Ray's own defaults, every 3 s, 10 s to answer, 5 misses, outlast
+# 15 s at least.) A node killed outright is then noticed a minute later.
+PARTITION_TOLERANT = {"RAY_health_check_period_ms": "1000", "RAY_health_check_timeout_ms": "1000",
+                      "RAY_health_check_failure_threshold": "60"}
 
 
 def placement_flags(services: str = "a", helpers: str = "b") -> list[str]:
@@ -57,8 +74,8 @@ def ip(*args: str, check: bool = True) -> subprocess.CompletedProcess:
     return subprocess.run(["ip", *args], capture_output=True, text=True, check=check, timeout=30)
 
 
-def unavailable() -> str:
-    """Why this machine cannot host the two-node cluster ("" when it can)."""
+def unavailable(link: str = "veth") -> str:
+    """Why this machine cannot host the two-node cluster with that `link` ("" when it can)."""
     if os.geteuid() != 0:
         return "network namespaces need root (ip netns add)"
     if shutil.which("ip") is None:
@@ -68,7 +85,7 @@ def unavailable() -> str:
     if res.returncode != 0:
         return f"cannot create a network namespace: {res.stderr.strip()}"
     ip("netns", "del", name, check=False)
-    return ""
+    return tap_unavailable() if link == "emulated" else ""
 
 
 def ray_env(**extra: str) -> dict[str, str]:
@@ -79,14 +96,22 @@ def ray_env(**extra: str) -> dict[str, str]:
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     env.setdefault("TOKENIZERS_PARALLELISM", "false")
     env.update(RAY_AUTH_MODE="disabled", RAY_health_check_period_ms="1000", RAY_health_check_timeout_ms="1000",
-               RAY_health_check_failure_threshold="3", **extra)
+               RAY_health_check_failure_threshold="3")
+    env.update(extra)  # (the caller's settings win: a cluster that must outlive a partition, say)
     return env
 
 
 class TwoNodes:
     """Namespaces `a` and `b`, the link between them, a Ray node in each; see the module docstring."""
 
-    def __init__(self, tag: str = "", cpus: float = 2, object_store_mb: int = 200, temp: str = ""):
+    def __init__(self, tag: str = "", cpus: float = 2, object_store_mb: int = 200, temp: str = "",
+                 link: str = "veth", seed: int | None = None, env: dict[str, str] | None = None):
+        """`link`: "veth" (a veth pair, memory to memory) or "emulated" (taps and a forwarder whose
+        delay, jitter, loss, rate and partition `impair` and `partition` set; `seed`: its draws).
+        `env`: settings over `ray_env()`'s for the nodes and for what `popen` and `run` start (Ray's
+        health checks, say)."""
+        if link not in ("veth", "emulated"):
+            raise ValueError(f"link={link!r}: 'veth' or 'emulated'")
         tag = tag or str(os.getpid() % 100000)
         self.ns = {"a": f"cvy{tag}a", "b": f"cvy{tag}b"}
         self.link = {"a": f"cvy{tag}va", "b": f"cvy{tag}vb"}  # (interface names: at most 15 characters)
@@ -97,6 +122,9 @@ class TwoNodes:
         self.temp = Path(temp) if temp else Path(tempfile.mkdtemp(prefix=f"cvy{tag}", dir="/tmp"))
         self.nodes: dict[str, subprocess.Popen] = {}  # node -> its `ray start --block`
         self.started: list[int] = []  # every pid this helper started, for leftovers()
+        self.link_kind, self.seed = link, seed
+        self.env = dict(env or {})
+        self.wire: Link | None = None  # the emulated link's forwarder
 
     @property
     def address(self) -> str:
@@ -110,13 +138,21 @@ class TwoNodes:
         try:
             for node in ("a", "b"):
                 ip("netns", "add", self.ns[node])
-            ip("link", "add", self.link["a"], "netns", self.ns["a"], "type", "veth",
-               "peer", "name", self.link["b"], "netns", self.ns["b"])
+            if self.link_kind == "emulated":
+                # the taps are made here, in this namespace, by the forwarder, then moved
+                self.wire = Link(self.link["a"], self.link["b"], self.temp / "link.log", self.seed).start()
+                self.started.append(self.wire.pid)
+                for node in ("a", "b"):
+                    ip("link", "set", self.link[node], "netns", self.ns[node])
+                    ip("-n", self.ns[node], "link", "set", self.link[node], "mtu", str(MTU))
+            else:
+                ip("link", "add", self.link["a"], "netns", self.ns["a"], "type", "veth",
+                   "peer", "name", self.link["b"], "netns", self.ns["b"])
             for node in ("a", "b"):
                 ip("-n", self.ns[node], "link", "set", "lo", "up")
                 ip("-n", self.ns[node], "addr", "add", f"{self.addr[node]}/24", "dev", self.link[node])
                 ip("-n", self.ns[node], "link", "set", self.link[node], "up")
-        except (subprocess.CalledProcessError, subprocess.TimeoutExpired):
+        except (subprocess.CalledProcessError, subprocess.TimeoutExpired, OSError, RuntimeError):
             self.down(check=False)
             raise
         return self
@@ -129,14 +165,44 @@ class TwoNodes:
         """Start `argv` in node's namespace, in its own session, output to `log`."""
         with open(log, "ab") as f:
             p = subprocess.Popen(self.exec_argv(node, argv), stdout=f, stderr=subprocess.STDOUT,
-                                 stdin=subprocess.DEVNULL, env=env or ray_env(), start_new_session=True, **kw)
+                                 stdin=subprocess.DEVNULL, env=env or ray_env(**self.env), start_new_session=True, **kw)
         self.started.append(p.pid)
         return p
 
     def run(self, node: str, argv: list[str], timeout: float = 120, **kw) -> subprocess.CompletedProcess:
         """Run `argv` to its end in node's namespace (a `launch.ray status`, say)."""
-        return subprocess.run(self.exec_argv(node, argv), capture_output=True, text=True, env=ray_env(),
+        return subprocess.run(self.exec_argv(node, argv), capture_output=True, text=True, env=ray_env(**self.env),
                               timeout=timeout, **kw)
+
+    # ---- the emulated link's faults ------------------------------------------------------------
+
+    def impair(self, delay_ms: float = 0, jitter_ms: float = 0, loss: float = 0.0, rate_mbit: float = 0) -> dict:
+        """The link from now on (both ways): `delay_ms` +- `jitter_ms` (uniform, order kept), each
+        frame lost with probability `loss`, at most `rate_mbit` (0: no cap). No argument: a clean
+        link; a partition stays until `heal`. The forwarder's answer: {"link": ..., "stats": ...}."""
+        return self._wire(delay_ms=delay_ms, jitter_ms=jitter_ms, loss=loss, rate_mbit=rate_mbit)
+
+    def partition(self) -> dict:
+        """Node B unreachable from now on: every frame dropped, both ways, until `heal`."""
+        return self._wire(partition=True)
+
+    def heal(self) -> dict:
+        """The end of a partition (the impairments set before it stay)."""
+        return self._wire(partition=False)
+
+    def clear(self) -> dict:
+        """A clean link: no partition, no delay, loss or cap."""
+        return self._wire(clear=True)
+
+    def link_stats(self) -> dict:
+        """Frames sent, lost, cut (partition) and dropped (queue full) per direction, and the settings."""
+        return self._wire(stats=True)
+
+    def _wire(self, **cmd) -> dict:
+        if self.wire is None:
+            raise RuntimeError("the link cannot be impaired: it is a veth pair (TwoNodes(link='emulated')), "
+                               "or the cluster is not up")
+        return self.wire.ask(**cmd)
 
     # ---- Ray -----------------------------------------------------------------------------------
 
@@ -225,6 +291,9 @@ class TwoNodes:
             if self.ns[node] in self.namespaces():
                 self.kill_node(node)
         self.nodes.clear()
+        if self.wire is not None:
+            self.wire.stop()  # (EOF: it ends, and its taps with it)
+            self.wire = None
         for node in ("a", "b"):
             ip("netns", "del", self.ns[node], check=False)
         for pid in self.started:

@@ -15,6 +15,13 @@ with the buffer, the weight-sync service and the learner on node A and the gener
 on node B (`--reverse`: the other way round; the nodes' custom resources `node_a` / `node_b`
 decide), tears everything down and exits with the run's exit code. `up` remembers the cluster in
 /tmp/conveyor-two-node.json for `exec` and `down`.
+
+A bad network between the two (an emulated link, scripts/link.py; docs/ray.md "Network faults"):
+
+    sudo .venv/bin/python scripts/two_node.py run examples/demo.yaml --link emulated --delay-ms 40 \
+        --jitter-ms 20 --loss 0.01 --rate-mbit 20 ...                 # the whole run on that link
+    sudo .venv/bin/python scripts/two_node.py run examples/demo.yaml --link emulated \
+        --partition-at 90 --partition-s 20 ...                        # node B cut off 90 s in, for 20 s
 """
 
 from __future__ import annotations
@@ -28,16 +35,17 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from scripts.netns import TwoNodes, placement_flags, ray_env, unavailable  # noqa: E402
+from scripts.netns import PARTITION_TOLERANT, TwoNodes, placement_flags, ray_env, unavailable  # noqa: E402
 
 STATE = Path("/tmp/conveyor-two-node.json")
 
 
-def start(tag: str = "") -> TwoNodes:
-    why = unavailable()
+def start(tag: str = "", link: str = "veth") -> TwoNodes:
+    why = unavailable(link)
     if why:
         sys.exit(f"two_node: {why}")
-    cluster = TwoNodes(tag).up()
+    # (on an emulated link, a partition must not turn into a node lost)
+    cluster = TwoNodes(tag, link=link, env=PARTITION_TOLERANT if link == "emulated" else None).up()
     try:
         cluster.start_head()
         cluster.wait_ready("a")
@@ -67,6 +75,13 @@ def main(argv: list[str] | None = None) -> int:
     rn = sub.add_parser("run", help="up, one launch.ray run across the two nodes, down")
     rn.add_argument("config")
     rn.add_argument("--reverse", action="store_true", help="services and learner on node B, helpers on A")
+    rn.add_argument("--link", choices=("veth", "emulated"), default="veth",
+                    help="the link between the nodes: a veth pair, or the emulated link the options below impair")
+    for flag, what in (("--delay-ms", "added one-way delay"), ("--jitter-ms", "+- this, uniform (order kept)"),
+                       ("--loss", "probability each frame is dropped"), ("--rate-mbit", "bandwidth cap (0: none)"),
+                       ("--partition-at", "seconds after the start: node B cut off (0: never)"),
+                       ("--partition-s", "how long it stays cut off")):
+        rn.add_argument(flag, type=float, default=20.0 if flag == "--partition-s" else 0.0, help=what)
     args, rest = p.parse_known_args(argv)
     if args.cmd == "up":
         if STATE.exists():
@@ -88,14 +103,32 @@ def main(argv: list[str] | None = None) -> int:
 
         command = args.command[1:] if args.command[:1] == ["--"] else args.command
         return subprocess.call(remembered().exec_argv(args.node, command), env=ray_env())
-    cluster = start()
+    impair = {"delay_ms": args.delay_ms, "jitter_ms": args.jitter_ms, "loss": args.loss, "rate_mbit": args.rate_mbit}
+    if args.link == "veth" and (any(impair.values()) or args.partition_at):
+        sys.exit("two_node: --delay-ms, --jitter-ms, --loss, --rate-mbit and --partition-at need --link emulated")
+    cluster = start(link=args.link)
     t0 = time.monotonic()
     try:
         import subprocess
 
+        if args.link == "emulated":
+            cluster.impair(**impair)
         flags = placement_flags("b", "a") if args.reverse else placement_flags()
         argv = [sys.executable, "-m", "launch.ray", args.config, "--ray.address", cluster.address, *flags, *rest]
-        code = subprocess.call(cluster.exec_argv("a", argv), env=ray_env(), cwd=ROOT)
+        driver = subprocess.Popen(cluster.exec_argv("a", argv), env=ray_env(**cluster.env), cwd=ROOT)
+        if args.partition_at:
+            try:
+                driver.wait(timeout=args.partition_at)
+            except subprocess.TimeoutExpired:
+                cluster.partition()
+                print(f"two_node: node B cut off for {args.partition_s:g}s", flush=True)
+                try:
+                    driver.wait(timeout=args.partition_s)
+                except subprocess.TimeoutExpired:
+                    pass
+                cluster.heal()
+                print("two_node: node B reachable again", flush=True)
+        code = driver.wait()
         print(f"two_node: launch.ray exited with code {code} after {time.monotonic() - t0:.0f}s", flush=True)
         return code
     finally:

@@ -73,7 +73,7 @@ def weight_sync_service():
 # them run at once. (xdist's own `--dist loadgroup` does not group under pytest 9: it renames items
 # through an attribute pytest no longer reads.)
 ONE_AT_A_TIME = {"test_two_node.py", "test_ray_devices.py", "test_ray_launcher.py", "test_openrlhf_cli.py",
-                 "test_curve_two_hosts.py"}
+                 "test_curve_two_hosts.py", "test_network_faults.py", "test_link.py"}
 
 
 def pytest_xdist_make_scheduler(config, log):

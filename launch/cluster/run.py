@@ -34,6 +34,7 @@ from launch.cluster.placement import Placement, Slot
 from launch.cluster.roles import CONTROLLER_PREFIX, RoleProcess, RunControl
 from launch.cluster.scale import scale_to
 from launch.cluster.status import StatusFeed
+from launch.recovery import EXIT_CODES
 from launch.roles import (
     ROOT,
     RestartPolicy,
@@ -300,7 +301,7 @@ class RayRun:
     def poll(self) -> dict[str, tuple[int | None, bool]]:
         """{name: (exit code or None, actor lost)} for every process still supposed to run; notes
         each one's ready record as it appears."""
-        from ray.exceptions import GetTimeoutError, RayActorError
+        from ray.exceptions import ActorUnavailableError, GetTimeoutError, RayActorError
 
         live = [p for p in self.procs if p.state in (State.RUNNING, State.STOPPING)]
         refs = [p.actor.probe.remote() for p in live]
@@ -310,10 +311,12 @@ class RayRun:
                 code, ready = self.ray.get(ref, timeout=30)
                 p.ready = ready or p.ready
                 out[p.name] = (code, False)
+            except (GetTimeoutError, ActorUnavailableError):
+                # no answer now (its node unreachable for a while: a partition): not lost, which
+                # only Ray's verdict on the actor or its node (ActorDiedError) says
+                pass
             except RayActorError:
                 out[p.name] = (None, True)
-            except GetTimeoutError:
-                pass
         return out
 
     def supervise(self) -> int:
@@ -374,7 +377,8 @@ class RayRun:
             return
         if p.spec.required:
             tail = "" if lost else "\n" + self.tail(p)
-            raise RunFailed(p.spec.kind, f"role {p.name!r} {what} ({where}); the run cannot go on without it{tail}")
+            kind = "disk" if code == EXIT_CODES["disk"] else p.spec.kind  # (out of disk space, whichever role)
+            raise RunFailed(kind, f"role {p.name!r} {what} ({where}); the run cannot go on without it{tail}")
         if p.state == State.RESTARTING:
             p.restarts += 1
             p.restart_at = time.monotonic() + p.spec.restart.delay_s

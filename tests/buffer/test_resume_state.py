@@ -220,3 +220,56 @@ def test_a_group_record_is_written_from_its_frames_as_msgpack(tmp_path):
     store.close()
     assert (tmp_path / "buffer.log").read_bytes() == want and store.size == len(want)
     assert StateStore.read(tmp_path / "buffer.log").groups[9] == [bytes([k % 251]) * 2 for k in range(700)]
+
+
+def test_a_full_disk_stops_the_log_and_everything_written_before_it_restores(tmp_path):
+    # steps 0..2 run on a tmpfs, then the disk is filled to its last byte: a record that does not fit
+    # raises OutOfDisk naming the log, and is cut off again (the log ends with the last whole record).
+    # With the ballast gone, a restarted buffer restores every record written before the failure.
+    from common.disk import OutOfDisk
+    from tests.helpers.disk import fill, tmpfs
+
+    with tmpfs(tmp_path / "disk", 4) as disk:
+        store = StateStore(str(disk / "state"))
+        store.open()
+        s = make_state(tmp_path, store=store)
+        run_steps(s, 3)
+        s.set_version(3)
+        g = s.lease("gen", 2, now=0.0, version=3)
+        complete(s, g, g.groups[0].group_id, version=3)  # acknowledged: one group accepted, one in flight
+        before = store.path.read_bytes()
+        ballast = fill(disk)
+        with pytest.raises(OutOfDisk) as e:
+            for _ in range(100):  # (the log's last page may take a record or two)
+                store.counters({f"c{i}": i for i in range(300)})
+        assert e.value.path == str(store.path) and e.value.free == 0
+        after = StateStore.read(store.path)
+        assert after.bad_records == 0 and store.size == store.path.stat().st_size >= len(before)
+        ballast.unlink()
+        store.close()
+        r = StateStore(str(disk / "state")).load()
+        assert r.bad_records == 0 and r.version == 3
+        assert g.groups[0].group_id in r.groups and g.groups[1].group_id in r.open_groups
+        assert sorted(r.groups) == sorted(after.groups) and r.next_group == after.next_group >= 8
+
+
+def test_a_rewrite_that_meets_a_full_disk_leaves_the_old_log(tmp_path):
+    from common.disk import OutOfDisk
+    from tests.helpers.disk import fill, tmpfs
+
+    with tmpfs(tmp_path / "disk", 4) as disk:
+        store = StateStore(str(disk / "state"))
+        store.open()
+        s = make_state(tmp_path, store=store)
+        g = s.lease("gen", 2, now=0.0, version=0)
+        for x in g.groups:  # two accepted groups of 128 KiB frames: a snapshot needs 512 KiB
+            for i in range(s.cfg.n_samples_per_prompt):
+                s.add_sample(x.group_id, i, g.lease_id, False, 0, 1.0, bytes(128 << 10))
+        old = store.path.read_bytes()
+        fill(disk, leave=200 << 10)
+        with pytest.raises(OutOfDisk) as e:
+            store.snapshot(s)
+        assert e.value.path == str(store.path.with_suffix(".tmp"))
+        assert store.path.read_bytes() == old and not store.path.with_suffix(".tmp").exists()
+        assert sorted(StateStore.read(store.path).groups) == [x.group_id for x in g.groups]
+        store.close()

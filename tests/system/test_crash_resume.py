@@ -9,7 +9,10 @@ and no trained rollout came from a policy version newer than its step (staleness
   is killed at once, and a second resume finishes the run;
 - with `run.auto_resume`, a learner kill and a buffer kill are healed without a second command,
   and a killed generator is started again;
-- a frozen generator (SIGSTOP) stalls the run: it stops with exit code 8 within the bound.
+- a frozen generator (SIGSTOP) stalls the run: it stops with exit code 8 within the bound;
+- the run folder's disk filled up (a tmpfs and a ballast file; root): the run stops with exit code 9
+  naming the path it could not write, and the same command with `--learner.resume true` finishes it
+  once the ballast is gone; with `run.auto_resume` the launcher waits for the space and resumes.
 """
 
 from __future__ import annotations
@@ -25,6 +28,9 @@ from pathlib import Path
 import psutil
 import pytest
 
+from tests.helpers.cluster import run_status
+from tests.helpers.cluster import wait_for as wait_until
+from tests.helpers.disk import fill, tmpfs
 from tests.helpers.procs import ROOT, subprocess_env
 
 DEMO_YAML = ROOT / "examples" / "demo.yaml"
@@ -225,3 +231,50 @@ def test_a_frozen_generator_stalls_the_run_with_exit_code_8(task):
     exit_info = json.loads((run_dir / "exit.json").read_text())
     assert (exit_info["code"], exit_info["attempts"]) == (8, [8]), exit_info
     assert "stall_timeout_s=15" in exit_info["reason"] and "buffer" in exit_info["reason"], exit_info
+
+
+DISK_MB = 48  # the run folder's filesystem: two checkpoints of the tiny model (keep_checkpoints 2), logs
+
+
+@pytest.mark.slow
+def test_a_full_disk_stops_the_run_with_code_9_and_a_resume_finishes_it(task):
+    with tmpfs(task["dir"] / "disk_manual", DISK_MB) as disk:
+        run_dir, total = disk / "run", 20
+        flags = ("--learner.total_steps", str(total), "--learner.keep_checkpoints", "2")
+        proc = start(task, run_dir, *flags)
+        wait_for(proc, run_dir, 7)
+        ballast = fill(disk)
+        code, out = finish(proc, timeout=180)
+        assert code == 9, out[-3000:]
+        exit_info = json.loads((run_dir / "exit.json").read_text())
+        assert exit_info["code"] == 9 and exit_info["attempts"] == [9], exit_info
+        # the message names what could not be written, under the run folder (the buffer's log, the
+        # ledger, metrics.jsonl or a checkpoint: whichever met the full disk first)
+        named = f"out of disk space writing {run_dir}/"
+        assert named in exit_info["reason"] and named in out, exit_info["reason"]
+
+        ballast.unlink()
+        proc = start(task, run_dir, *flags, "--learner.resume", "true")
+        code, out = finish(proc, timeout=300)
+        assert code == 0, out[-3000:]
+        assert_exact(run_dir, total)
+
+
+@pytest.mark.slow
+def test_with_auto_resume_a_full_disk_waits_for_space_and_resumes(task):
+    with tmpfs(task["dir"] / "disk_auto", DISK_MB) as disk:
+        run_dir, total = disk / "run", 20
+        proc = start(task, run_dir, "--learner.total_steps", str(total), "--learner.keep_checkpoints", "2",
+                     "--run.auto_resume", "2", "--run.disk_wait_s", "120", "--run.disk_min_free_mb", "8")
+        wait_for(proc, run_dir, 7)
+        ballast = fill(disk)
+        waiting = wait_until(lambda: run_status(run_dir).get("waiting_for_disk"), 120,
+                             "the launcher waiting for disk space (status.json)")
+        assert waiting["need_mb"] == 8 and min(waiting["free_mb"].values()) < 8, waiting
+        assert proc.poll() is None
+        ballast.unlink()
+        code, out = finish(proc, timeout=300)
+        assert code == 0, out[-3000:]
+        exit_info = json.loads((run_dir / "exit.json").read_text())
+        assert exit_info["resumes"] >= 1 and 9 in exit_info["attempts"], exit_info
+        assert_exact(run_dir, total)
