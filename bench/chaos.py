@@ -231,12 +231,12 @@ def main() -> None:
         model = warm_start(model, out / "warm", train, warm, seed=0, log_every=0)
     nodes = None
     if args.two_node:
-        from scripts.netns import TwoNodes, unavailable
+        from scripts.netns import PARTITION_TOLERANT, TwoNodes, unavailable
 
         why = unavailable()
         if why:
             sys.exit(f"chaos: --two-node: {why}")
-        nodes = TwoNodes(link="emulated").up()
+        nodes = TwoNodes(link="emulated", env=PARTITION_TOLERANT).up()  # (a partition is not a lost node)
         nodes.start_head()
         nodes.start_worker()
         nodes.wait_ready("a")
