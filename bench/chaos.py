@@ -90,13 +90,12 @@ def start_local(run_dir: Path, model: Path, prompts: Path, steps: int) -> subpro
 
 
 def start_two_node(nodes, run_dir: Path, model: Path, prompts: Path, steps: int, newline: int) -> subprocess.Popen:
-    from scripts.netns import placement_flags
+    from scripts.netns import SMALL_CPUS, placement_flags
 
     argv = [sys.executable, "-m", "launch.ray", *run_flags(run_dir, model, prompts, steps),
             "--ray.address", nodes.address, "--generator.stop_token_ids", str(newline),
             "--weight_sync.same_host", "broadcast", "--ray.restart_delay_s", "1", *placement_flags("a", "b"),
-            "--ray.buffer.num_cpus", "0.25", "--ray.weight_sync.num_cpus", "0.25", "--ray.learner.num_cpus", "1",
-            "--ray.scorer.num_cpus", "0.5", "--ray.generator.num_cpus", "0.75"]
+            *SMALL_CPUS]
     return nodes.popen("a", argv, run_dir.parent / f"{run_dir.name}.out", cwd=ROOT)
 
 
@@ -233,7 +232,7 @@ def main() -> None:
     if args.two_node:
         from scripts.netns import PARTITION_TOLERANT, TwoNodes, unavailable
 
-        why = unavailable()
+        why = unavailable("emulated")
         if why:
             sys.exit(f"chaos: --two-node: {why}")
         nodes = TwoNodes(link="emulated", env=PARTITION_TOLERANT).up()  # (a partition is not a lost node)

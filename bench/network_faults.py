@@ -36,33 +36,14 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from scripts.netns import PARTITION_TOLERANT, TwoNodes, unavailable  # noqa: E402
+from demo.arithmetic import warm_demo  # noqa: E402
+from scripts.netns import PARTITION_TOLERANT, SMALL_CPUS, TwoNodes, placement_flags, unavailable  # noqa: E402
 
 FAULTS = ("clean", "latency", "loss", "bandwidth", "clean2", "partition")
-SMALL = ["--ray.buffer.num_cpus", "0.25", "--ray.weight_sync.num_cpus", "0.25", "--ray.learner.num_cpus", "1",
-         "--ray.scorer.num_cpus", "0.5", "--ray.generator.num_cpus", "0.75"]
 
 
 def say(msg: str) -> None:
     print(f"[network_faults] {msg}", file=sys.stderr, flush=True)
-
-
-def placement(generators: str, scorer: str) -> list[str]:
-    out = []
-    for role, res in (("buffer", "{node_a: 1}"), ("weight_sync", "{node_a: 1}"), ("learner", "{node_a: 1}"),
-                      ("generator", generators), ("scorer", scorer)):
-        out += [f"--ray.{role}.resources", res]
-    return out
-
-
-def build_demo(out: Path, warm_steps: int) -> dict:
-    from demo.arithmetic import make_problems, warm_start, write_jsonl
-    from demo.tiny_model import build_tiny_model, build_tokenizer
-
-    train = make_problems(3000, seed=0)
-    prompts = write_jsonl(train, out / "train.jsonl")
-    warm = warm_start(build_tiny_model(out / "base", seed=0), out / "warm", train, warm_steps, seed=0, log_every=0)
-    return {"model": str(warm), "prompts": str(prompts), "newline": build_tokenizer().convert_tokens_to_ids("\n")}
 
 
 def read_json(path: Path) -> dict:
@@ -100,12 +81,13 @@ def one_run(nodes: TwoNodes, demo: dict, work: Path, fault: str, args) -> dict:
     steps = args.partition_steps if two else args.steps
     flags = (["--run.num_generators", "2", "--buffer.lease_ttl_s", str(args.lease_ttl_s),
               "--weight_sync.timeout_s", str(args.weight_sync_timeout_s),
-              *placement("{gen: 1}", "{node_a: 1}")] if two else placement("{node_b: 1}", "{node_b: 1}"))
+              *placement_flags("a", "b", generator="{gen: 1}", scorer="{node_a: 1}")]
+             if two else placement_flags("a", "b"))
     argv = [sys.executable, "-m", "launch.ray", str(ROOT / "examples" / "demo.yaml"), "--ray.address", nodes.address,
             "--learner.model_path", demo["model"], "--buffer.prompts", demo["prompts"],
             "--generator.stop_token_ids", str(demo["newline"]), "--run.run_dir", str(run_dir),
             "--learner.total_steps", str(steps), "--learner.save_every", "0", "--ray.restart_delay_s", "1",
-            "--run.stall_timeout_s", "300", "--weight_sync.same_host", "broadcast", *SMALL, *flags]
+            "--run.stall_timeout_s", "300", "--weight_sync.same_host", "broadcast", *SMALL_CPUS, *flags]
     nodes.clear()
     before = nodes.link_stats()["stats"]
     impair = {"latency": {"delay_ms": args.delay_ms, "jitter_ms": args.jitter_ms}, "loss": {"loss": args.loss},
@@ -180,7 +162,7 @@ def main(argv: list[str] | None = None) -> int:
         nodes.start_head({"node_a": 100, "gen": 1})
         nodes.start_worker({"node_b": 100, "gen": 1})
         t0 = time.monotonic()
-        demo = build_demo(work, args.warm_steps)
+        demo = warm_demo(work, args.warm_steps)
         say(f"model ready in {time.monotonic() - t0:.0f}s; runs in {work}")
         nodes.wait_ready("a")
         nodes.wait_ready("b")

@@ -93,6 +93,20 @@ def writing(path: str | Path, nearly_full: bool = False) -> Iterator[None]:
         raise
 
 
+def append_whole(fd: int, data: bytes, path: str | Path) -> None:
+    """Append `data` (a line, a record) to the file open as `fd`, whole or not at all: a write the disk
+    cannot take is cut off again, so the file still ends with its last whole line, and `OutOfDisk`
+    naming `path` is raised."""
+    start = os.lseek(fd, 0, os.SEEK_END)
+    try:
+        with writing(path):
+            while data:
+                data = data[os.write(fd, data):]
+    except OSError:
+        os.ftruncate(fd, start)
+        raise
+
+
 def reserve(path: str | Path, nbytes: int = 1 << 20, for_roles: bool = True) -> bool:
     """Hold `nbytes` of the disk in `path` for the last words of a run that fills it (`for_roles`: the
     roles started from now on find the path in $CONVEYOR_DISK_RESERVE); False when there is no room

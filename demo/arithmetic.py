@@ -135,6 +135,19 @@ def greedy_accuracy(model_or_dir, problems: list[dict], max_new_tokens: int = 5)
     return sum(a == p["label"] for a, p in zip(answers, problems)) / max(1, len(problems))
 
 
+def warm_demo(out: str | Path, warm_steps: int = 375) -> dict:
+    """What a run of the demo on a cluster starts from, as launch.demo builds it: 3,000 training
+    prompts in `out/train.jsonl`, a tiny model warm-started on them in `out/warm`, and the
+    tokenizer's newline (the answers' stop token): {"model", "prompts", "newline"}."""
+    from demo.tiny_model import build_tiny_model, build_tokenizer
+
+    out = Path(out)
+    train = make_problems(3000, seed=0)
+    prompts = write_jsonl(train, out / "train.jsonl")
+    warm = warm_start(build_tiny_model(out / "base", seed=0), out / "warm", train, warm_steps, seed=0, log_every=0)
+    return {"model": str(warm), "prompts": str(prompts), "newline": build_tokenizer().convert_tokens_to_ids("\n")}
+
+
 def bench_setup(out: str | Path, warm_steps: int) -> tuple[list[dict], Path, Path, float]:
     """The demo's split (200 held-out problems, 3,000 training prompts in `out/train.jsonl`) and a
     tiny model warm-started on it in `out/warm`: (held-out rows, prompts file, warm model folder,

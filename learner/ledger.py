@@ -19,7 +19,7 @@ import os
 import time
 from pathlib import Path
 
-from common.disk import writing
+from common.disk import append_whole, writing
 
 LEDGER_NAME = "ledger.jsonl"
 
@@ -77,14 +77,7 @@ class Ledger:
 
     def append(self, step: int, group_ids: list[int]) -> None:
         data = (json.dumps({"step": step, "groups": list(group_ids), "wall": round(time.time(), 3)}) + "\n").encode()
-        start = os.lseek(self._fd, 0, os.SEEK_END)
-        try:
-            with writing(self.path):
-                while data:
-                    data = data[os.write(self._fd, data):]
-        except OSError:
-            os.ftruncate(self._fd, start)  # (half a line: cut off)
-            raise
+        append_whole(self._fd, data, self.path)
         self.steps[step] = list(group_ids)
 
     def sync(self) -> None:

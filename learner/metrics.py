@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from common.disk import writing
+from common.disk import append_whole, writing
 
 # summed over ranks (every other key is a mean, or a min / max by its suffix)
 SUMMED = ("perf/tokens", "perf/samples")
@@ -111,14 +111,7 @@ class MetricsWriter:
         # `time`: wall clock when the step was logged (for throughput to K steps across runs)
         data = (json.dumps({"step": step, "time": time.time(), **{k: v if math.isfinite(v) else None
                                                                   for k, v in clean.items()}}) + "\n").encode()
-        start = os.lseek(self._jsonl, 0, os.SEEK_END)
-        try:
-            with writing(self.jsonl_path):
-                while data:
-                    data = data[os.write(self._jsonl, data):]
-        except OSError:
-            os.ftruncate(self._jsonl, start)  # (half a line: cut off)
-            raise
+        append_whole(self._jsonl, data, self.jsonl_path)
         if self._tb is not None:
             with writing(self.run_dir / "tensorboard"):
                 for k, v in clean.items():

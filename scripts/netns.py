@@ -60,13 +60,20 @@ PARTITION_TOLERANT = {"RAY_health_check_period_ms": "1000", "RAY_health_check_ti
                       "RAY_health_check_failure_threshold": "60"}
 
 
-def placement_flags(services: str = "a", helpers: str = "b") -> list[str]:
+# logical CPUs of each role on a node of 2 (scheduling tokens; the machine has 2 cores)
+SMALL_CPUS = ["--ray.buffer.num_cpus", "0.25", "--ray.weight_sync.num_cpus", "0.25", "--ray.learner.num_cpus", "1",
+              "--ray.scorer.num_cpus", "0.5", "--ray.generator.num_cpus", "0.75"]
+
+
+def placement_flags(services: str = "a", helpers: str = "b", generator: str = "", scorer: str = "") -> list[str]:
     """`launch.ray` flags that put the buffer, the weight-sync service and the learner on node
-    `services`, the generators and scorers on node `helpers` (by the nodes' custom resources)."""
+    `services`, the generators and scorers on node `helpers` (by the nodes' custom resources), or
+    where `generator` / `scorer` say (their resources, e.g. "{gen: 1}")."""
     out = []
     for role in ("buffer", "weight_sync", "learner", "generator", "scorer"):
         node = services if role in ("buffer", "weight_sync", "learner") else helpers
-        out += [f"--ray.{role}.resources", f"{{node_{node}: 1}}"]
+        res = {"generator": generator, "scorer": scorer}.get(role) or f"{{node_{node}: 1}}"
+        out += [f"--ray.{role}.resources", res]
     return out
 
 

@@ -37,7 +37,7 @@ from pathlib import Path
 
 import pytest
 
-from scripts.netns import PARTITION_TOLERANT, TwoNodes, unavailable
+from scripts.netns import PARTITION_TOLERANT, SMALL_CPUS, TwoNodes, placement_flags, unavailable
 from tests.helpers.cluster import metrics, run_status, stop_driver, wait_for
 from tests.helpers.procs import ROOT
 
@@ -54,10 +54,8 @@ FAULTS = {  # what `TwoNodes.impair` is given for each degraded-link run
     "loss": {"loss": 0.02},  # 2% of frames each way
     "bandwidth": {"rate_mbit": 20},  # each step's weights (~1.3 MB) take ~0.5 s
 }
-# logical CPUs per node: 4 (scheduling tokens: node A holds the learner, the services, a scorer
-# and a generator in the partition's run)
-SMALL = ["--ray.buffer.num_cpus", "0.25", "--ray.weight_sync.num_cpus", "0.25", "--ray.learner.num_cpus", "1",
-         "--ray.scorer.num_cpus", "0.5", "--ray.generator.num_cpus", "0.75"]
+# (the nodes have 4 logical CPUs: node A holds the learner, the services, a scorer and a generator
+# in the partition's run)
 
 WHY = unavailable("emulated")
 pytestmark = pytest.mark.skipif(bool(WHY), reason=WHY or "")
@@ -79,17 +77,12 @@ def nodes():
 @pytest.fixture(scope="module")
 def demo(nodes, tmp_path_factory):
     """The demo's prompts and warm-started tiny model (as launch.demo builds them), on the cluster."""
-    from demo.arithmetic import make_problems, warm_start, write_jsonl
-    from demo.tiny_model import build_tiny_model, build_tokenizer
+    from demo.arithmetic import warm_demo
 
-    out = tmp_path_factory.mktemp("network_faults_demo")
-    train = make_problems(3000, seed=0)
-    prompts = write_jsonl(train, out / "train.jsonl")
-    warm = warm_start(build_tiny_model(out / "base", seed=0), out / "warm", train, 375, seed=0, log_every=0)
+    demo = warm_demo(tmp_path_factory.mktemp("network_faults_demo"))
     nodes.wait_ready("a")
     nodes.wait_ready("b")
-    return {"model": str(warm), "prompts": str(prompts),
-            "newline": build_tokenizer().convert_tokens_to_ids("\n")}
+    return demo
 
 
 @pytest.fixture
@@ -100,15 +93,6 @@ def link(nodes):
     nodes.clear()
 
 
-def placement(generators: str, scorer: str) -> list[str]:
-    """Services and the learner on node A; the generators and the scorer where their resources say."""
-    out = []
-    for role, res in (("buffer", "{node_a: 1}"), ("weight_sync", "{node_a: 1}"), ("learner", "{node_a: 1}"),
-                      ("generator", generators), ("scorer", scorer)):
-        out += [f"--ray.{role}.resources", res]
-    return out
-
-
 def start_run(nodes: TwoNodes, demo: dict, tmp: Path, steps: int, *extra: str):
     run_dir, log = tmp / "run", tmp / "launch_ray.log"
     argv = [PY, "-m", "launch.ray", str(ROOT / "examples" / "demo.yaml"), "--ray.address", nodes.address,
@@ -117,7 +101,7 @@ def start_run(nodes: TwoNodes, demo: dict, tmp: Path, steps: int, *extra: str):
             "--learner.total_steps", str(steps), "--learner.save_every", "0", "--ray.restart_delay_s", "1",
             "--run.stall_timeout_s", "180",
             # the namespaces share this machine's /dev/shm: the weights must cross the link
-            "--weight_sync.same_host", "broadcast", *SMALL, *extra]
+            "--weight_sync.same_host", "broadcast", *SMALL_CPUS, *extra]
     return nodes.popen("a", argv, log, cwd=ROOT), run_dir, log
 
 
@@ -155,7 +139,7 @@ def test_a_run_survives_a_degraded_link(link, demo, tmp_path, fault):
     learner's weights of the end (they crossed the impaired link every step)."""
     t0 = time.monotonic()
     link.impair(**FAULTS[fault])
-    driver, run_dir, log = start_run(link, demo, tmp_path, STEPS, *placement("{node_b: 1}", "{node_b: 1}"))
+    driver, run_dir, log = start_run(link, demo, tmp_path, STEPS, *placement_flags("a", "b"))
     roles = finish(driver, run_dir, log, STEPS, timeout_s=420)
     seen = link.link_stats()
     wall = time.monotonic() - t0
@@ -179,7 +163,7 @@ def test_a_run_survives_a_partition(link, demo, tmp_path):
     # partition to feed the learner whenever the cut comes
     driver, run_dir, log = start_run(link, demo, tmp_path, PARTITION_STEPS, "--run.num_generators", "2",
                                      "--buffer.lease_ttl_s", str(LEASE_TTL_S), "--weight_sync.timeout_s", "10",
-                                     *placement("{gen: 1}", "{node_a: 1}"))
+                                     *placement_flags("a", "b", generator="{gen: 1}", scorer="{node_a: 1}"))
     a, b = link.addr["a"], link.addr["b"]
     try:
         def both_serving():

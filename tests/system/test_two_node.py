@@ -29,7 +29,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from scripts.netns import TwoNodes, placement_flags, unavailable
+from scripts.netns import SMALL_CPUS, TwoNodes, placement_flags, unavailable
 from tests.helpers.cluster import metrics, run_status, stop_driver, wait_for
 from tests.helpers.procs import ROOT
 
@@ -41,9 +41,6 @@ PY = sys.executable
 # was. With 230 left, it has ~45 s.
 STEPS = 240
 KILL_AT = 8
-# logical CPUs per node: 2 (scheduling tokens; the machine has 2 cores)
-SMALL = ["--ray.buffer.num_cpus", "0.25", "--ray.weight_sync.num_cpus", "0.25", "--ray.learner.num_cpus", "1",
-         "--ray.scorer.num_cpus", "0.5", "--ray.generator.num_cpus", "0.75"]
 
 WHY = unavailable()
 needs_namespaces = pytest.mark.skipif(bool(WHY), reason=WHY or "")
@@ -83,17 +80,12 @@ def nodes():
 @pytest.fixture(scope="module")
 def demo(nodes, tmp_path_factory):
     """The demo's prompts and warm-started tiny model (as launch.demo builds them), on the cluster."""
-    from demo.arithmetic import make_problems, warm_start, write_jsonl
-    from demo.tiny_model import build_tiny_model, build_tokenizer
+    from demo.arithmetic import warm_demo
 
-    out = tmp_path_factory.mktemp("two_node_demo")
-    train = make_problems(3000, seed=0)
-    prompts = write_jsonl(train, out / "train.jsonl")
-    warm = warm_start(build_tiny_model(out / "base", seed=0), out / "warm", train, 375, seed=0, log_every=0)
+    demo = warm_demo(tmp_path_factory.mktemp("two_node_demo"))
     nodes.wait_ready("a")
     nodes.wait_ready("b")
-    return {"model": str(warm), "prompts": str(prompts),
-            "newline": build_tokenizer().convert_tokens_to_ids("\n")}
+    return demo
 
 
 def launch_argv(nodes: TwoNodes, demo: dict, run_dir: Path, *extra: str) -> list[str]:
@@ -102,7 +94,7 @@ def launch_argv(nodes: TwoNodes, demo: dict, run_dir: Path, *extra: str) -> list
             "--generator.stop_token_ids", str(demo["newline"]), "--run.run_dir", str(run_dir),
             # the namespaces share this machine's /dev/shm, which two real machines do not: the
             # weights must cross the link, whatever the default of weight_sync.same_host
-            "--weight_sync.same_host", "broadcast", *placement_flags("a", "b"), *SMALL, *extra]
+            "--weight_sync.same_host", "broadcast", *placement_flags("a", "b"), *SMALL_CPUS, *extra]
 
 
 @needs_namespaces
