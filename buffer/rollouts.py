@@ -23,6 +23,8 @@ MAX_STR = 4 << 20  # prompt/completion text, error messages (characters)
 MAX_ITEMS = 1 << 16  # prompt groups in a lease, entries in a metrics map
 MAX_ID = 2**62
 MAX_ROUTE_BYTES = 64 << 20  # a rollout's routes (a frame is at most as large: buffer.messages.Limits)
+MAX_IMAGE_BYTES = 16 << 20  # one encoded image (PNG, JPEG, ...; a run's own bound: data.max_image_bytes)
+MAX_IMAGES = 256  # images of one prompt or episode
 
 # --------------------------------------------------------------------------------------------
 # field types: what a field accepts off the wire (a packed array field also names its dtype)
@@ -38,6 +40,9 @@ Mask = Annotated[memoryview, Meta(max_length=MAX_TOKENS), MASK_DTYPE]  # (T,) ui
 # bytes each), packed; left as bytes (their shape is the rollout's, read by `Rollout.route_array`)
 Routes = Annotated[memoryview, Meta(max_length=MAX_ROUTE_BYTES)]
 Numbers = Annotated[dict[str, float], Meta(max_length=MAX_ITEMS)]
+# A vision-language prompt's (or episode's) images, encoded as their files are (PNG, JPEG, ...), in
+# the order of their placeholders in the token ids (common.images)
+Images = Annotated[list[Annotated[bytes, Meta(max_length=MAX_IMAGE_BYTES)]], Meta(max_length=MAX_IMAGES)]
 Scalars = Annotated[dict[str, Union[int, float, str, bool, None]], Meta(max_length=MAX_ITEMS)]
 
 
@@ -150,6 +155,9 @@ class Rollout(Struct):
     route_layers: Annotated[int, Meta(ge=0, le=4096)] = 0
     route_k: Annotated[int, Meta(ge=0, le=256)] = 0
     route_width: Annotated[int, Meta(ge=1, le=2)] = 1  # bytes per expert id: 1 (< 256 experts) or 2
+    # A vision-language rollout's images: the prompt's, then any an environment returned, in the
+    # order of their placeholders in prompt + completion; the learner computes pixels from them
+    images: Images | None = None
 
     def __post_init__(self) -> None:
         if self.routes is not None:

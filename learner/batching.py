@@ -19,6 +19,7 @@ from buffer.messages import Batch, ScoredRollout
 from buffer.rules import EXTRA_LOG_PREFIX, TASK
 from learner.modeling import pad_sequences
 from learner.packing import PackedRows, pack_rows
+from learner.vision import Pixels, VisionRows
 
 
 @dataclass
@@ -39,6 +40,8 @@ class TrainBatch:
     # (B, L, layers, k) int16: the experts the engine routed each token to (rollouts that carry
     # routes, for routing replay: learner.moe), -1 where unknown (each row's last token, padding)
     routes: torch.Tensor | None = None
+    # a vision-language policy's rows: each row's images as pixels (learner.vision), None without images
+    vision: VisionRows | None = None
     # ---- filled in by the trainer -------------------------------------------------------------
     prox_logprobs: torch.Tensor | None = None  # (B, T) log pi_old, no grad
     old_values: torch.Tensor | None = None  # (B, T) critic at the start of the step
@@ -63,6 +66,8 @@ class TrainBatch:
             v = getattr(self, f.name)
             if v is None:
                 out[f.name] = None
+            elif f.name == "vision":
+                out[f.name] = v.select(idx)
             elif v.dim() == 1:
                 out[f.name] = v[idx]
             elif f.name in ("input_ids", "attention_mask", "routes"):
@@ -75,6 +80,10 @@ class TrainBatch:
         """The rows packed without padding into rows of `capacity` (default: the longest), for the
         forwards (`learner.packing`)."""
         return pack_rows(self.input_ids, self.attention_mask, capacity)
+
+    def packed_rows_or_none(self, packing: bool, capacity: int | None = None) -> PackedRows | None:
+        """`packed_rows` when `packing` is on and the rows hold no images (those are never packed)."""
+        return self.packed_rows(capacity) if packing and self.vision is None else None
 
     def to(self, device: torch.device | str) -> "TrainBatch":
         return TrainBatch(**{f.name: None if getattr(self, f.name) is None else getattr(self, f.name).to(device)
@@ -90,8 +99,9 @@ def _scatter(rows: list[np.ndarray], mask: torch.Tensor, fill: float, dtype: tor
     return out
 
 
-def to_train_batch(scored: list[ScoredRollout], pad_id: int = 0) -> TrainBatch:
-    """Scored rollouts -> padded tensors. Rejects empty completions and prompts (nothing to train on)."""
+def to_train_batch(scored: list[ScoredRollout], pad_id: int = 0, pixels: Pixels | None = None) -> TrainBatch:
+    """Scored rollouts -> padded tensors. Rejects empty completions and prompts (nothing to train on).
+    `pixels` (a vision-language policy's image processor): the rollouts' images become `vision`."""
     if not scored:
         raise ValueError("no rollouts to train on")
     prompts, completions = [], []
@@ -125,7 +135,21 @@ def to_train_batch(scored: list[ScoredRollout], pad_id: int = 0) -> TrainBatch:
         teacher_logprobs=_scatter([s.teacher_logprobs for s in scored], completion_mask, 0.0, torch.float32)
         if all(has_teacher) else None,
         routes=_routes(scored, input_ids.shape[1]),
+        vision=_vision(scored, input_ids, pixels),
     )
+
+
+def _vision(scored: list[ScoredRollout], input_ids: torch.Tensor, pixels: Pixels | None) -> VisionRows | None:
+    """The rows' images as pixels (`learner.vision.VisionRows`), or None when no rollout has any."""
+    images = [s.rollout.images for s in scored]
+    if not any(images):
+        return None
+    if pixels is None:
+        r = scored[next(i for i, im in enumerate(images) if im)].rollout
+        raise ValueError(f"group {r.group_id} sample {r.sample_index} carries images, but the policy is not a "
+                         f"vision-language model (learner.model_path has no vision tower)")
+    names = [f"group {s.rollout.group_id} sample {s.rollout.sample_index}" for s in scored]
+    return VisionRows.of(pixels, images, input_ids, names)
 
 
 def _routes(scored: list[ScoredRollout], length: int) -> torch.Tensor | None:

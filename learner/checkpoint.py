@@ -33,12 +33,14 @@ import torch
 import torch.distributed as dist
 
 from common.disk import writing
-from learner.engine import iter_full_params
+from learner.engine import in_checkpoint_layout, iter_full_params
 from learner.lora import is_lora, save_adapter
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json",
                    "vocab.txt", "merges.txt", "tokenizer.model", "added_tokens.json", "chat_template.jinja",
-                   "chat_template.json")
+                   "chat_template.json",
+                   # a vision-language model's processor (its image processor and how it joins the tokenizer)
+                   "processor_config.json", "preprocessor_config.json", "video_preprocessor_config.json")
 
 
 def checkpoints_dir(run_dir: str | Path) -> Path:
@@ -56,11 +58,16 @@ def save_hf(engine, out: Path, tokenizer_src: str | Path) -> None:
     written merged (base + adapter, under the base model's names)."""
     from safetensors.torch import save_file
 
-    state = dict(iter_full_params(engine))  # empty except on rank 0; a LoRA model's merged
+    model = engine.module.get_base_model() if is_lora(engine) else engine.module
+    named = iter_full_params(engine)
+    if hasattr(model.config, "vision_config"):
+        # a vision-language model is held under other names than its checkpoint's (`model.visual.`
+        # for `visual.`, `model.language_model.` for `model.`): written as save_pretrained writes it
+        named = in_checkpoint_layout(engine, named)
+    state = dict(named)  # empty except on rank 0; a LoRA model's merged
     if dist.get_rank() != 0:
         return
     out.mkdir(parents=True, exist_ok=True)
-    model = engine.module.get_base_model() if is_lora(engine) else engine.module
     # tied weights are one parameter in named_parameters(): the file holds it once, as HF does
     save_file({k: v.contiguous() for k, v in state.items()}, str(out / "model.safetensors"),
               metadata={"format": "pt"})

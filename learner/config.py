@@ -286,6 +286,10 @@ class LearnerConfig(OptimConfig, WeightSyncAddress, BufferAddress):
     freeze_router: bool = False
     """A mixture-of-experts policy: keep the routers' weights as they are (no gradient, not in
     the optimizer); the experts and everything else train."""
+    freeze_visual_encoder: bool = False
+    """A vision-language policy: keep the vision tower (patch embedding, blocks, merger) as it is
+    (no gradient, not in the optimizer, left out of weight rounds); the language model trains.
+    OpenRLHF's --actor.freeze_visual_encoder. docs/vision.md."""
     max_tokens_per_micro_batch: int = Field(0, ge=0)
     """Cut each mini-batch into micro-batches by tokens: the fewest (at least
     gradient_accumulation_steps, the same number on every rank) whose forward holds at most this

@@ -189,9 +189,9 @@ def enable_gradient_checkpointing(model: nn.Module, on: bool = True) -> nn.Modul
 def load_trainable_lm(path: str, gradient_checkpointing: bool = False) -> nn.Module:
     """Any AutoModelForCausalLM folder in fp32, set up to be trained (no KV cache): the RL policy,
     and the SFT and DPO policies. bf16 training casts it inside DeepSpeed."""
-    from transformers import AutoModelForCausalLM
+    from learner.vision import auto_model_class
 
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    model = auto_model_class(path).from_pretrained(path, dtype=torch.float32)
     model.config.use_cache = False
     return enable_gradient_checkpointing(model, gradient_checkpointing)
 
@@ -199,12 +199,17 @@ def load_trainable_lm(path: str, gradient_checkpointing: bool = False) -> nn.Mod
 def build_policy_engine(cfg: LearnerConfig):
     """The policy (any AutoModelForCausalLM folder) wrapped in a DeepSpeed engine with AdamW
     (with LoRA adapters, the only trainable parameters, when cfg.lora_rank > 0). A mixture of
-    experts with `freeze_router` keeps its routers as they are."""
+    experts with `freeze_router` keeps its routers as they are; a vision-language policy with
+    `freeze_visual_encoder` its vision tower."""
     model = load_trainable_lm(cfg.model_path, cfg.gradient_checkpointing)
     if cfg.freeze_router:
         from learner.moe import freeze_routers
 
         freeze_routers(model)
+    if cfg.freeze_visual_encoder:
+        from learner.vision import freeze_vision_tower
+
+        freeze_vision_tower(model)
     return build_engine(model, cfg)
 
 
@@ -295,7 +300,22 @@ def iter_publish_params(engine) -> Iterator[tuple[str, torch.Tensor]]:
 
     if is_lora(engine) and not sends_merged(engine):
         return iter_adapter_params(engine)
-    return in_checkpoint_layout(engine, iter_full_params(engine, copy=False))
+    named = in_checkpoint_layout(engine, iter_full_params(engine, copy=False))
+    if vision_tower_fixed(engine):  # (its weights are the engines' already: never sent)
+        from learner.vision import is_vision_name
+
+        return ((n, t) for n, t in named if not is_vision_name(n))
+    return named
+
+
+def vision_tower_fixed(engine) -> bool:
+    """Whether the policy is a vision-language model whose vision tower never trains: frozen
+    (learner.freeze_visual_encoder), or a LoRA policy's (its adapters are on the language model)."""
+    from learner.moe import causal_lm
+    from learner.vision import vision_parameters
+
+    params = vision_parameters(causal_lm(engine))
+    return bool(params) and not any(p.requires_grad for _, p in params)
 
 
 def in_checkpoint_layout(engine, named: Iterator[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:

@@ -30,6 +30,10 @@ ADAPTER = "default"  # peft's name for the one adapter
 PREFIX = "base_model.model."  # what peft puts before the wrapped model's own parameter names
 
 
+# the language model's linear layers of a Qwen2-VL-class model (peft matches a string as a regex)
+VISION_LM_LINEAR = r".*language_model\.layers\.\d+\.(self_attn\.[qkvo]_proj|mlp\.(gate|up|down)_proj)"
+
+
 def apply_lora(model: nn.Module, cfg) -> nn.Module:
     """`model` with LoRA adapters as `cfg` (an OptimConfig) says; only they are trainable.
 
@@ -38,9 +42,14 @@ def apply_lora(model: nn.Module, cfg) -> nn.Module:
     from peft import LoraConfig, get_peft_model
 
     targets = cfg.lora_target_modules
+    all_linear = "all-linear"
+    if targets == ["all-linear"] and hasattr(model.config, "vision_config"):
+        # a vision-language model: the language model's linear layers only (the vision tower is
+        # trained in full or frozen: learner.freeze_visual_encoder)
+        all_linear = VISION_LM_LINEAR
     config = LoraConfig(
         r=cfg.lora_rank, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout,
-        target_modules="all-linear" if targets == ["all-linear"] else list(targets),
+        target_modules=all_linear if targets == ["all-linear"] else list(targets),
         task_type="SEQ_CLS" if hasattr(model, "score") else "CAUSAL_LM")
     try:
         return get_peft_model(model, config)
@@ -59,8 +68,10 @@ def sends_merged(model: nn.Module) -> bool:
     """A LoRA policy whose weight rounds carry its merged weights, not the adapter: one whose adapter
     wraps parameters as well as linear layers (peft's `target_parameters`: a mixture of experts'
     3-D expert weights and router), which the engines do not take as an adapter (vLLM's CPU build
-    has no LoRA kernels for fused-MoE layers at all)."""
+    has no LoRA kernels for fused-MoE layers at all), and a vision-language policy's."""
     model = getattr(model, "module", model)
+    if is_lora(model) and hasattr(model.get_base_model().config, "vision_config"):
+        return True  # a vision-language policy: the engines serve no adapters for it (merged rounds)
     return is_lora(model) and bool(getattr(model.peft_config[ADAPTER], "target_parameters", None))
 
 

@@ -46,13 +46,13 @@ def apply_memory_share(device) -> float:
 
 
 def load_causal_lm(path: str, dtype: str | torch.dtype = "float32", device: str = "cpu"):
-    """Any `AutoModelForCausalLM` folder, in eval mode."""
-    from transformers import AutoModelForCausalLM
+    """Any `AutoModelForCausalLM` folder (or a vision-language model's: `learner.vision`), in eval mode."""
+    from learner.vision import auto_model_class
 
     apply_memory_share(device)
     if isinstance(dtype, str):
         dtype = getattr(torch, dtype)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+    model = auto_model_class(path).from_pretrained(path, dtype=dtype)
     return model.to(device).eval()
 
 
@@ -93,13 +93,16 @@ def pad_sequences(
 
 
 def next_token_logits(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
-                      position_ids: torch.Tensor | None = None) -> torch.Tensor:
+                      position_ids: torch.Tensor | None = None, vision=None) -> torch.Tensor:
     """(B, L) ids -> (B, L-1, V) logits: position t predicts token t + 1 (grad flows).
 
     `position_ids` without an attention mask: packed rows of documents (transformers keeps
     attention inside each document when the positions restart at 0, but only with no cache:
-    hence use_cache=False)."""
-    out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False)
+    hence use_cache=False). `vision` (`learner.vision.VisionRows` of these rows): a
+    vision-language policy's images, whose features take the places of their placeholders."""
+    extra = {} if vision is None else vision.forward_kwargs(input_ids)
+    out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False,
+                **extra)
     return out.logits[:, :-1]
 
 
@@ -116,7 +119,7 @@ def token_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor 
 
 def next_token_stats(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, temperature: float = 1.0,
                      packed: PackedRows | None = None, entropy: bool = False,
-                     sp=None, routes: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+                     sp=None, routes: torch.Tensor | None = None, vision=None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-probs (B, L-1) of every next token of a right-padded (B, L) batch and, with `entropy`,
     the entropy (B, L-1) of each prediction at `temperature` (grad flows through both).
 
@@ -129,13 +132,19 @@ def next_token_stats(model, input_ids: torch.Tensor, attention_mask: torch.Tenso
     ranks of its group, each running its slice; the results are whole on every rank.
 
     `routes` (B, L, layers, k): a mixture-of-experts policy's forward routes each token to these
-    experts (routing replay) and measures its routers (`learner.moe.routing`)."""
+    experts (routing replay) and measures its routers (`learner.moe.routing`).
+
+    `vision` (`learner.vision.VisionRows`): the rows' images; such rows are neither packed nor
+    split over a sequence-parallel group (M-RoPE positions come from each whole sequence)."""
     from learner.moe import routing
 
+    if vision is not None and (packed is not None or sp is not None):
+        raise ValueError("rows with images are neither packed nor sequence-parallel (learner.packing, "
+                         "learner.sequence_parallel_size): M-RoPE positions are computed per whole sequence")
     unpack = None if packed is None else packed.unpack_next
     if sp is None:
         with routing(model, routes, attention_mask, packed):
-            logprobs, ent = _token_stats(model, input_ids, attention_mask, temperature, packed, entropy)
+            logprobs, ent = _token_stats(model, input_ids, attention_mask, temperature, packed, entropy, vision)
     else:
         ids, pos = (input_ids, None) if packed is None else (packed.input_ids, packed.position_ids)
         logprobs, ent = sp.token_stats(model, ids, pos, temperature, entropy)
@@ -145,9 +154,9 @@ def next_token_stats(model, input_ids: torch.Tensor, attention_mask: torch.Tenso
     return logprobs, ent
 
 
-def _token_stats(model, input_ids, attention_mask, temperature, packed, entropy):
+def _token_stats(model, input_ids, attention_mask, temperature, packed, entropy, vision=None):
     if packed is None:
-        logits = next_token_logits(model, input_ids, attention_mask)  # (B, L-1, V)
+        logits = next_token_logits(model, input_ids, attention_mask, vision=vision)  # (B, L-1, V)
         labels = input_ids[:, 1:]
     else:
         logits = next_token_logits(model, packed.input_ids, position_ids=packed.position_ids)  # (R, C-1, V)
@@ -165,19 +174,27 @@ def completion_logprobs(
     batch_size: int = 16,
     pad_id: int = 0,
     packing: bool = True,
+    images: Sequence[Sequence[bytes] | None] | None = None,
+    pixels=None,
 ) -> list[torch.Tensor]:
     """Per-token log-probs of each completion given its prompt: a list of (T_i,) fp32 tensors.
 
     `batch_size` sequences per forward; `packing`: packed into rows without padding (equal to the
-    padded forward's within float rounding, and faster on mixed lengths: bench/packing.py)."""
+    padded forward's within float rounding, and faster on mixed lengths: bench/packing.py).
+    `images` (each row's encoded images, or None) with `pixels` (`learner.vision.Pixels` of the
+    model): a vision-language model's rows, run padded with their pixels."""
+    from learner.vision import VisionRows
+
     device = next(model.parameters()).device
     out: list[torch.Tensor] = []
     for i in range(0, len(prompts), batch_size):
         p, c = prompts[i : i + batch_size], completions[i : i + batch_size]
         ids, attn, cmask = pad_sequences(p, c, pad_id)
         ids, attn = ids.to(device), attn.to(device)
-        packed = pack_rows(ids, attn) if packing else None
-        lp = next_token_stats(model, ids, attn, temperature, packed)[0].cpu()  # (B, L-1)
+        rows = images[i : i + batch_size] if images is not None and pixels is not None else None
+        vision = VisionRows.of(pixels, rows, ids.cpu()).to(device) if rows and any(rows) else None
+        packed = pack_rows(ids, attn) if packing and vision is None else None
+        lp = next_token_stats(model, ids, attn, temperature, packed, vision=vision)[0].cpu()  # (B, L-1)
         for b in range(len(p)):
             out.append(lp[b][cmask[b]].clone())
     return out

@@ -75,6 +75,7 @@ from learner.lora import adapter_disabled, adapter_spec, is_lora
 from learner.losses import aggregate, behaviour_correction, gspo_loss, kl_penalty, policy_loss, value_loss
 from learner.metrics import MetricsWriter, reduce_across_ranks
 from learner.modeling import masked_mean, next_token_stats
+from learner.vision import pad_token_id, policy_pixels
 from learner.moe import RouterAuxLoss, Routers
 from learner.packing import PackedRows
 from learner.sequence_parallel import SequenceParallel
@@ -115,7 +116,9 @@ def train_rank(cfg: LearnerConfig, source, rank: int, world: int, device: torch.
     aux = RouterAuxLoss(policy, cfg.aux_loss_coef, cfg.model_path) if cfg.aux_loss_coef else None
     routers = Routers.attach(policy, cfg.routing_replay)  # (None for a dense policy)
     critic = build_critic_engine(cfg) if cfg.advantage_estimator == "gae" else None
-    pad_id = policy.module.config.pad_token_id or 0
+    pad_id = pad_token_id(policy.module.config)
+    pixels = policy_pixels(cfg.model_path, packing=cfg.packing, sequence_parallel=cfg.sequence_parallel,
+                           critic=critic is not None)  # (None for a text policy)
 
     step, ckpt = 0, None
     if cfg.resume:
@@ -162,7 +165,7 @@ def train_rank(cfg: LearnerConfig, source, rank: int, world: int, device: torch.
                 break
             t_wait = time.monotonic() - t0
 
-            tb = to_train_batch(batch.scored, pad_id).to(device)
+            tb = to_train_batch(batch.scored, pad_id, pixels).to(device)
             t1 = time.monotonic()
             if cfg.routing_replay != "off" and tb.routes is None:
                 raise ValueError(f"learner.routing_replay={cfg.routing_replay!r}, but step {step}'s rollouts carry no "
@@ -300,7 +303,7 @@ def prepare_step(cfg: LearnerConfig, policy, critic, tb: TrainBatch, step: int, 
     chunks, longest = forward_chunks(cfg, tb.attention_mask.sum(-1).tolist(), n_chunks, tb.input_ids.device)
     tb.prox_logprobs = forward_in_chunks(lambda mb: next_token_stats(
         policy, mb.input_ids, mb.attention_mask, cfg.temperature, packed_rows(cfg, mb, longest), sp=sp,
-        routes=mb.routes)[0], tb, chunks)
+        routes=mb.routes, vision=mb.vision)[0], tb, chunks)
     if critic is not None:
         tb.old_values = forward_in_chunks(
             lambda mb: critic_values(critic, mb, packed_rows(cfg, mb, longest), sp), tb, chunks)
@@ -308,7 +311,8 @@ def prepare_step(cfg: LearnerConfig, policy, critic, tb: TrainBatch, step: int, 
         # LoRA: the reference is the frozen base, i.e. this model with its adapter switched off
         with adapter_disabled(policy):
             tb.ref_logprobs = forward_in_chunks(lambda mb: next_token_stats(
-                policy, mb.input_ids, mb.attention_mask, cfg.temperature, packed_rows(cfg, mb, longest), sp=sp)[0],
+                policy, mb.input_ids, mb.attention_mask, cfg.temperature, packed_rows(cfg, mb, longest), sp=sp,
+                vision=mb.vision)[0],
                 tb, chunks)
 
     # 3. behaviour correction and advantages, fixed for the whole step
@@ -371,7 +375,8 @@ def policy_micro_loss(cfg: LearnerConfig, policy, mb: TrainBatch, packed: Packed
     """One micro-batch's policy loss (PPO + the KL and entropy terms the config asks for), with grad,
     and its metrics. `packed`: run the forward on mb's packed rows (`mb.packed_rows()`)."""
     logprobs, entropy = next_token_stats(policy, mb.input_ids, mb.attention_mask, cfg.temperature, packed,
-                                         entropy=cfg.entropy_coef > 0, sp=sp, routes=mb.routes)  # (b, t) each
+                                         entropy=cfg.entropy_coef > 0, sp=sp, routes=mb.routes,
+                                         vision=mb.vision)  # (b, t) each
     if cfg.policy_loss == "gspo":
         base = mb.behav_logprobs if cfg.gspo_ratio == "behav" else mb.prox_logprobs
         pg_loss, pg = gspo_loss(logprobs, base, mb.advantages, mb.loss_mask, cfg.clip_eps_low, cfg.clip_eps_high,
@@ -397,7 +402,7 @@ def policy_micro_loss(cfg: LearnerConfig, policy, mb: TrainBatch, packed: Packed
 def packed_rows(cfg: LearnerConfig, mb: TrainBatch, capacity: int | None = None) -> PackedRows | None:
     """mb's rows packed without padding into rows of `capacity` (default: mb's longest) when
     `learner.packing` is on (the forwards then run on them)."""
-    return mb.packed_rows(capacity) if cfg.packing else None
+    return mb.packed_rows_or_none(cfg.packing, capacity)
 
 
 def critic_values(critic, mb: TrainBatch, packed: PackedRows | None,

@@ -25,11 +25,11 @@ PACKAGES = ("actors", "buffer", "common", "demo", "launch", "learner", "weight_s
 # package -> the packages of the project it may import (itself always)
 ALLOWED = {
     "common": set(),
-    "demo": set(),
+    "demo": {"common"},
     "buffer": {"common"},
     "weight_sync": {"common"},
     "learner": {"buffer", "weight_sync", "common"},
-    "actors": {"buffer", "weight_sync", "common", "learner.modeling"},
+    "actors": {"buffer", "weight_sync", "common", "learner.modeling", "learner.vision"},
     "launch": {"actors", "buffer", "common", "demo", "learner", "weight_sync"},
 }
 MAX_LINES = 520

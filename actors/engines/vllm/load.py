@@ -68,6 +68,7 @@ def load_plan(model, named: list, staging: dict | None = None) -> LoadPlan | Non
     modules = dict(model.named_modules())
     packed = getattr(model, "packed_modules_mapping", {}) or {}
     shards = {part: (fused, i) for fused, parts in packed.items() for i, part in enumerate(parts)}
+    named = vllm_names(model, named)
     sizes = {name: t.shape for name, t in named}
     dst_of, rebind = [], {}
     for name, t in named:
@@ -108,11 +109,30 @@ def load_plan(model, named: list, staging: dict | None = None) -> LoadPlan | Non
         if dst.dtype != t.dtype:
             return None
         dst_of.append(dst if whole == tuple(t.shape) else dst[lo:lo + t.shape[0]])
+    # A vision-language model whose vision tower is frozen gets rounds without it
+    # (learner.vision.freeze_vision_tower): its layers keep the weights they have and are left alone.
+    left_out = ("visual.",) if not any(name.startswith("visual.") for name, _ in named) else ()
+    kept = {n: m for n, m in modules.items() if not (left_out and n.startswith(left_out))}
     if any(_repacked(m) and n not in rebind and getattr(m, "weight", None) is not None and m.weight.numel() == 0
-           for n, m in modules.items()):
+           for n, m in kept.items()):
         return None  # a repacked layer without its weight in the round
-    reprocess = [m for m in modules.values() if _repacked(m)] if staging is not None else []
+    reprocess = [m for m in kept.values() if _repacked(m)] if staging is not None else []
     return LoadPlan(dst_of, list(rebind.values()), reprocess)
+
+
+def vllm_names(model, named: list) -> list:
+    """`named` under the model's own parameter names: a model whose checkpoint names differ from
+    its modules' (a vision-language model: `model.layers.` -> `language_model.model.layers.`,
+    `lm_head.` -> `language_model.lm_head.`) maps them with its `hf_to_vllm_mapper`, as its
+    `load_weights` does; the tensors are the same objects."""
+    mapper = getattr(model, "hf_to_vllm_mapper", None)
+    if mapper is None:
+        return named
+    out = []
+    for name, t in named:
+        mapped = mapper._map_name(name)
+        out.append((name if mapped is None else mapped, t))
+    return out
 
 
 def _weight_shape(layer) -> tuple | None:
