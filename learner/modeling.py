@@ -119,7 +119,8 @@ def token_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor 
 
 def next_token_stats(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, temperature: float = 1.0,
                      packed: PackedRows | None = None, entropy: bool = False,
-                     sp=None, routes: torch.Tensor | None = None, vision=None) -> tuple[torch.Tensor, torch.Tensor | None]:
+                     sp=None, routes: torch.Tensor | None = None,
+                     vision=None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-probs (B, L-1) of every next token of a right-padded (B, L) batch and, with `entropy`,
     the entropy (B, L-1) of each prediction at `temperature` (grad flows through both).
 

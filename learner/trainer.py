@@ -75,12 +75,12 @@ from learner.lora import adapter_disabled, adapter_spec, is_lora
 from learner.losses import aggregate, behaviour_correction, gspo_loss, kl_penalty, policy_loss, value_loss
 from learner.metrics import MetricsWriter, reduce_across_ranks
 from learner.modeling import masked_mean, next_token_stats
-from learner.vision import pad_token_id, policy_pixels
 from learner.moe import RouterAuxLoss, Routers
 from learner.packing import PackedRows
 from learner.sequence_parallel import SequenceParallel
 from learner.source import due, evaluate, fetch_batch, handshake, step_group_ids, tell_version
 from learner.token_budget import forward_chunks, over_budget, plan_micro_batches
+from learner.vision import pad_token_id, policy_pixels
 
 log = logging.getLogger("conveyor.learner")
 

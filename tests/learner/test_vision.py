@@ -48,7 +48,8 @@ def scored_rows(vlm_dir, pictures, answers=("2", "13", "0")) -> tuple[list[Score
         ids = processor(text=[prompt], images=[pil_image(b) for b in imgs])["input_ids"][0]
         completion = processor.tokenizer(answer, add_special_tokens=False)["input_ids"]
         r = Rollout(group_id=i, sample_index=0, lease_id=0, prompt_ids=np.asarray(ids, np.int32),
-                    completion_ids=np.asarray(completion, np.int32), behav_logprobs=np.zeros(len(completion), np.float32),
+                    completion_ids=np.asarray(completion, np.int32),
+                    behav_logprobs=np.zeros(len(completion), np.float32),
                     versions=np.zeros(len(completion), np.int32), finish_reason="stop", images=list(imgs))
         out.append(ScoredRollout(rollout=r, reward=float(i)))
         texts.append(prompt + answer)
