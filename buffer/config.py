@@ -6,8 +6,10 @@ from typing import ClassVar, Literal
 
 from pydantic import Field, field_validator
 
+from buffer.rollouts import MAX_IMAGE_BYTES, MAX_IMAGES
 from common.config import Endpoint, Section
 from common.curve import Mode as CurveMode
+from common.images import ImageLimits
 
 
 class BufferConfig(Section):
@@ -44,6 +46,21 @@ class BufferConfig(Section):
     """The row's other columns that travel with its rollouts to the reward functions (as keyword
     arguments: tests, metadata, difficulty, ...): None: every column but the prompt and the label;
     []: none. At most 1 MiB of JSON per row (buffer/prompts.py)."""
+    image_key: str = "images"
+    """Column holding a vision-language prompt's images (OpenRLHF's `--data.image_key`): one image or
+    a list, each as bytes, a {"bytes", "path"} map (a `datasets.Image` column), base64 text or a file
+    path relative to the dataset's folder. Each "<image>" in the prompt stands for the next one; a
+    string prompt with images and no "<image>" gets them at its start (buffer/prompts.py). Images
+    may also stand in chat messages' content parts ({"type": "image", "image": ...})."""
+    max_images_per_prompt: int = Field(1, ge=0, le=MAX_IMAGES)
+    """A prompt with more images is refused when the prompts are read, naming its row; 0: text
+    prompts only (as OpenRLHF's 0): a row with an image is refused and "<image>" is plain text."""
+    max_image_bytes: int = Field(4 << 20, gt=0, le=MAX_IMAGE_BYTES)
+    """An image file larger than this many bytes is refused, naming its row (at most 16 MiB, what
+    one image may take on the wire)."""
+    max_image_pixels: int = Field(4096 * 4096, gt=0)
+    """An image of more pixels (width x height) is refused, naming its row, before it is decoded;
+    the model's processor resizes the rest to its own bounds."""
     input_template: str = ""
     """A template with one `{}` a string prompt is put into (e.g. `Question: {}\nAnswer:`), before the
     chat template if there is one (OpenRLHF leaves it out with --apply_chat_template); chat-message
@@ -115,6 +132,10 @@ class BufferConfig(Section):
         if r is not None and (len(r) != 2 or not r[0] < r[1]):
             raise ValueError("must be two numbers [low, high] with low < high")
         return r
+
+    @property
+    def image_limits(self) -> ImageLimits:
+        return ImageLimits(self.max_image_bytes, self.max_image_pixels, self.max_images_per_prompt, "buffer")
 
     def problems(self) -> list[str]:
         errs = []

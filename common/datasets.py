@@ -9,7 +9,8 @@ loaders, the buffer's prompt loader) goes through it, so they all accept the sam
   file.json              JSON lines too, or one JSON array of objects (as `datasets` reads .json)
   file.parquet           needs pyarrow
   save_to_disk folder    `dataset_dict.json` or `state.json` inside; needs the `datasets` package;
-                         `split` picks one split of a DatasetDict
+                         `split` picks one split of a DatasetDict. Rows come as stored, not decoded:
+                         an image (`datasets.Image`) is {"bytes": ..., "path": ...}, as in Parquet
   hub dataset folder     a folder of .parquet / .jsonl / .json files as a dataset repository holds
                          them; `split` picks files by name, as `datasets.load_dataset(folder)` does:
                          1. `data/{split}-00000-of-00001.parquet` (sharded, any split name);
@@ -22,7 +23,7 @@ loaders, the buffer's prompt loader) goes through it, so they all accept the sam
 A line that is not JSON comes back as a `BadRow` in place of the row, so the caller decides whether
 it is fatal; a file or folder that cannot be read at all raises `DatasetError`. `chat_messages`
 checks a column that holds a conversation ([{"role": ..., "content": ...}, ...]) the same way for
-every reader.
+every reader. `where_folder` gives the folder a row's relative file paths (images) start from.
 """
 
 from __future__ import annotations
@@ -124,8 +125,21 @@ def _iter_saved_dataset(p: Path, split: str) -> Iterator[tuple[str, Any]]:
         if split not in ds:
             raise DatasetError(f"{p}: no split {split!r} (it has {sorted(ds)})")
         ds = ds[split]
-    for n, row in enumerate(ds):
-        yield f"{p}: row {n}", row
+    # Arrow rows are what the folder stores: iterating `ds` itself would decode an Image column into
+    # PIL images (and audio into arrays), work thrown away by a reader that wants the file's bytes
+    n = 0
+    for batch in ds.with_format("arrow").iter(batch_size=1024):
+        for row in batch.to_pylist():
+            yield f"{p}: row {n}", row
+            n += 1
+
+
+def where_folder(where: str) -> Path:
+    """The folder relative paths in the row at `where` (as `iter_rows` names it) are read from: the
+    folder of its file, or the `save_to_disk` folder it came from."""
+    m = re.fullmatch(r"(.*?)(?::\d+|: row \d+)", where, re.DOTALL)
+    p = Path(m[1] if m else where)
+    return p if p.is_dir() else p.parent
 
 
 def chat_messages(value: Any, key: str) -> list[dict]:

@@ -1,4 +1,5 @@
-"""The embedded demos: `make demo` or `python -m launch.demo [--demo.task calc|guess|distill] [--section.key V ...]`.
+"""The embedded demos: `make demo` or `python -m launch.demo [--demo.task TASK] [--section.key V ...]`
+(TASK: arithmetic, calc, guess, distill or vision).
 
 1. builds the tiny Llama and its character tokenizer (nothing is downloaded);
 2. warm-starts it by supervised fine-tuning, stopped early so the policy is only partly right:
@@ -27,6 +28,8 @@ arithmetic demo's warm start, is evaluated greedily on the held-out problems at 
 Overrides go to the run config (`--learner.total_steps 20`); `--demo.task`, `--demo.warm_steps N`,
 `--demo.heldout N`, `--demo.train_prompts N`, `--demo.seed N`, `--demo.eval_every N` and
 `--demo.out DIR`, `--demo.teacher_steps N` set the demo's own knobs (their defaults depend on the task: TASKS).
+`--demo.task vision` trains a vision-language policy: the tiny Qwen2-VL (demo/tiny_vlm.py) counts red
+squares in 56x56 pictures (demo/vision.py; examples/vision.yaml), warm-started for 60 steps.
 `--demo.model qwen3_moe` (arithmetic and distill) trains a tiny mixture of experts instead of the
 Llama (8 experts, top-2; demo/tiny_model.py), with routing replay on (docs/moe.md) and a warm start
 of 500 steps.
@@ -43,6 +46,7 @@ ROOT = Path(__file__).resolve().parents[1]
 DEMO_CONFIG = ROOT / "examples" / "demo.yaml"
 AGENT_CONFIG = ROOT / "examples" / "agent.yaml"  # the tools demo (calc)
 GUESS_CONFIG = ROOT / "examples" / "guess.yaml"
+VISION_CONFIG = ROOT / "examples" / "vision.yaml"
 DEMO_DEFAULTS = {"task": "arithmetic", "model": "llama", "warm_steps": 375, "heldout": 200, "train_prompts": 3000,
                  "seed": 0, "out": "", "eval_every": 25, "teacher_steps": 1200}
 # Each task: its run config, the demo knobs it sets otherwise, and the plot's title and label.
@@ -69,6 +73,12 @@ TASKS = {
               "title": "Conveyor agent demo: async GRPO on a multi-turn guessing game",
               "heldout_label": "secrets found in 5 guesses, greedy (eval/pass@1)",
               "eval_set": "every secret of 1-31, one greedy episode each"},
+    # vision: the tiny Qwen2-VL counts red squares; a warm start of 60 steps counts about half of them
+    "vision": {"config": VISION_CONFIG, "defaults": {"warm_steps": 60, "heldout": 200, "train_prompts": 2000,
+                                                     "eval_every": 10},
+               "title": "Conveyor vision demo: async GRPO, a tiny VLM counts red squares",
+               "heldout_label": "held-out pictures counted right, greedy (eval/pass@1)",
+               "eval_set": "held-out pictures, one greedy answer each"},
 }
 
 
@@ -200,6 +210,24 @@ def prepare_guess(demo: dict, run_dir: Path) -> tuple[Path, Path, Path, list[str
     return warm, prompts, eval_path, [str(s) for s in held]
 
 
+def prepare_vision(demo: dict, run_dir: Path) -> tuple[Path, Path, Path, list[str]]:
+    """(warm model, training prompts, held-out prompts, []) of the vision demo: the tiny Qwen2-VL
+    warm-started on counting; the training pictures in Parquet (image structs), the held-out ones
+    in JSONL (base64), as datasets hold them."""
+    from demo.tiny_vlm import build_tiny_vlm
+    from demo.vision import make_rows, warm_start, write_jsonl, write_parquet
+
+    data_dir = run_dir / "data"
+    heldout = make_rows(demo["heldout"], seed=10_000 + demo["seed"])
+    train = make_rows(demo["train_prompts"], seed=demo["seed"])
+    heldout_path = write_jsonl(heldout, data_dir / "heldout.jsonl")
+    prompts = write_parquet(train, data_dir / "train.parquet")
+    base = build_tiny_vlm(run_dir / "models" / "base", seed=demo["seed"])
+    print(f"[demo] warm start: {demo['warm_steps']} supervised steps on {len(train)} pictures", flush=True)
+    warm = warm_start(base, run_dir / "models" / "warm", train, demo["warm_steps"], seed=demo["seed"], log_every=20)
+    return warm, prompts, heldout_path, []
+
+
 def subset_points(eval_dir: Path, labels: list[str]) -> list[tuple[int, float]]:
     """(version, fraction of the evaluation samples with these labels that passed) per round written to
     `eval_dir` (buffer/eval.py's `version_<v>.jsonl`); a sample passes when its reward is positive."""
@@ -300,7 +328,7 @@ def main(argv: list[str] | None = None) -> int:
     from demo.tiny_model import build_tokenizer
 
     prepare = {"arithmetic": prepare_arithmetic, "calc": prepare_calc, "guess": prepare_guess,
-               "distill": prepare_distill}[demo["task"]]
+               "distill": prepare_distill, "vision": prepare_vision}[demo["task"]]
     warm, prompts, heldout_path, held = prepare(demo, run_dir)
     warm_s = time.monotonic() - t0
     newline = build_tokenizer().convert_tokens_to_ids("\n")

@@ -311,9 +311,10 @@ TABLE: dict[str, Spec] = {
     "data.label_key": to("buffer.label_key"),
     "data.input_template": to("buffer.input_template"),
     "data.apply_chat_template": to("generator.use_chat_template", convert=parse_bool),
-    "data.image_key": note("text prompts only"),
-    "data.max_images_per_prompt": refuse("vision-language prompts are not supported", 0),
-    "actor.freeze_visual_encoder": note("text models only"),
+    "data.image_key": to("buffer.image_key"),
+    "data.max_images_per_prompt": to("buffer.max_images_per_prompt", convert=int,
+                                     why="0: text prompts only, as there"),
+    "actor.freeze_visual_encoder": to("learner.freeze_visual_encoder", convert=parse_bool),
     # loggers
     "logger.wandb.key": note("log in with `wandb login` or WANDB_API_KEY"),
     "logger.wandb.org": note("wandb's default entity is used"),

@@ -74,7 +74,7 @@ SAMPLE = {  # a value OpenRLHF users give where the default is None (or no value
     "--train.agent_func_path": ["agent_func.py"],
 }
 OFF_DEFAULT = {  # a value that changes what is trained, for the refused flags
-    "--ds.ring_attn_size": ["2"], "--data.max_images_per_prompt": ["1"],
+    "--ds.ring_attn_size": ["2"],
 }
 
 
@@ -101,9 +101,9 @@ def test_every_0_11_2_flag_is_mapped_accepted_or_refused_by_name(files):
     unknown = [n for n in names if spec(n) is None and n not in SAME_KEYS]
     assert not unknown, unknown
     refused = [n for n in names if n not in SAME_KEYS and spec(n).refused]
-    assert len(names) - len(refused) == 165  # of 167: mapped or accepted
-    # refused: 4-bit weights (no such kernels on this stack), images (not built yet)
-    assert sorted(refused) == ["data.max_images_per_prompt", "ds.load_in_4bit"], refused
+    assert len(names) - len(refused) == 166  # of 167: mapped or accepted
+    # refused: 4-bit weights (no such kernels on this stack)
+    assert refused == ["ds.load_in_4bit"], refused
     for opt in flags:  # each accepted flag with a value OpenRLHF users give: the run config still parses
         name = opt["flag"][2:]
         argv = files["base"] + sample(opt, files)
@@ -253,6 +253,19 @@ def test_values_convert_with_the_same_meaning(files):
 
     remote = local(["--pretrain", files["model"], "--prompt_data", files["prompts"], "--remote_rm_url", "http://h:1/rm"])
     assert remote.scorer.kinds == ["remote"] and remote.scorer.remote_url == "http://h:1/rm"
+
+
+def test_the_vision_language_flags_set_the_image_keys(files):
+    run = local(files["base"] + ["--data.image_key", "pictures", "--data.max_images_per_prompt", "4",
+                                 "--actor.freeze_visual_encoder"])
+    assert (run.buffer.image_key, run.buffer.max_images_per_prompt) == ("pictures", 4)
+    assert run.learner.freeze_visual_encoder is True
+    old = local(files["base"] + ["--image_key", "pictures", "--max_images_per_prompt", "4", "--freeze_visual_encoder"])
+    assert old.to_dict() == run.to_dict()  # 0.11's names
+    text = local(files["base"] + ["--data.max_images_per_prompt", "0"])  # OpenRLHF's default: text prompts only
+    assert text.buffer.max_images_per_prompt == 0 and text.learner.freeze_visual_encoder is False
+    with pytest.raises(ConfigError, match="max_images_per_prompt"):
+        local(files["base"] + ["--data.max_images_per_prompt", "-1"])
 
 
 def test_legacy_and_dotted_names_set_the_same_config(files):
