@@ -25,7 +25,8 @@ class GeneratorConfig(WeightSyncAddress, BufferAddress):
     section: ClassVar[str] = "generator"
 
     model: str = ""
-    """Model folder (any `AutoModelForCausalLM` folder vLLM can load): the policy's initial weights."""
+    """Model folder (any `AutoModelForCausalLM` folder vLLM can load, or a Qwen2-VL-family
+    vision-language model's): the policy's initial weights."""
     tokenizer: str = ""
     """Tokenizer folder; empty: the model folder."""
     engine: Literal["vllm", "transformers"] = "vllm"
@@ -77,19 +78,25 @@ class GeneratorConfig(WeightSyncAddress, BufferAddress):
     """Longest completion; one that reaches it ends with finish_reason `length`."""
     max_len: int = Field(0, ge=0)
     """Prompt + completion per sample at most (OpenRLHF's `--data.max_len` without
-    `--rollout.max_new_tokens`): a completion ends (`length`) at max_len - its prompt's tokens, or at
-    max_new_tokens if sooner; 0: at max_new_tokens. Single-turn samples (an episode has
-    max_context_tokens)."""
+    `--rollout.max_new_tokens`): a completion ends (`length`) at max_len - its prompt's tokens (an
+    image prompt's as the engine expanded them), or at max_new_tokens if sooner; 0: at
+    max_new_tokens. Single-turn samples (an episode has max_context_tokens)."""
     stop_token_ids: list[int] = Field(default_factory=list)
     """Token ids that end a completion besides the tokenizer's eos (kept in the completion)."""
 
     prompt_max_len: int = Field(512, ge=1)
-    """Longest prompt in tokens (after the chat template)."""
+    """Longest prompt in tokens (after the chat template; an image counts as its one placeholder,
+    which the engine expands)."""
     long_prompt: Literal["truncate", "refuse"] = "truncate"
     """What to do with a longer prompt: `truncate` keeps its last prompt_max_len tokens; `refuse`
-    reports the group failed to the buffer (it is counted there and not issued again)."""
+    reports the group failed to the buffer (it is counted there and not issued again). A prompt
+    with images is refused either way (a cut could split an image)."""
     use_chat_template: bool = True
     """Wrap each prompt as one user message in the tokenizer's chat template, when it has one."""
+    max_images_per_prompt: int = Field(1, ge=1)
+    """A vision-language policy (Qwen2-VL family): images one prompt may hold (vLLM's
+    `limit_mm_per_prompt`, which sizes the engine's encoder cache); a group with more is reported
+    failed. Text policies ignore it."""
 
     env: str = ""
     """Multi-turn episodes: the environment each sample plays against (actors/envs/loader.py `load_env`: a

@@ -6,12 +6,14 @@ One iteration:
    token of a batch carries the same policy version; but see `interrupt` mode below);
 2. lease up to `groups_per_lease` prompt groups from the buffer, reporting our weights version
    (the buffer's admission control may answer `Wait`);
-3. tokenize the prompts (chat template when there is one), truncate or refuse long ones;
+3. tokenize the prompts (chat template when there is one; a vision-language prompt's images as
+   one placeholder each, actors/prompts.py), truncate or refuse long ones;
 4. sample `n_samples` completions of each in one engine call, while a thread renews the lease
    (with `generator.env`: one multi-turn episode per sample, actors/envs/episodes.py; with
    `generator.agent`: agent code plays each sample through the OpenAI-compatible endpoint,
    actors/agents/openai_server.py);
-5. push one `Rollout` per completion to the scorers, through the buffer's relay.
+5. push one `Rollout` per completion to the scorers, through the buffer's relay (a prompt with
+   images: its ids as the engine expanded them, and the images, for the learner's forward).
 
 Weight-sync mode `interrupt` (the service's `weight_sync.mode`, with `generator.async_engine`):
 step 4 runs on the engine's own thread while this one keeps polling the weight-sync service; a
@@ -43,7 +45,7 @@ from actors.engines import build_engine
 from actors.engines.base import Completion, Engine, Sampling
 from actors.envs.episodes import rollout_of, run_episodes
 from actors.envs.loader import load_env
-from actors.prompts import encode_prompt, fit_prompt
+from actors.prompts import PromptRefused, encode_prompt, fit_prompt
 from actors.tasks import TaskEnvs
 from actors.weight_hook import WeightSyncHook
 from buffer.client import BufferClient, BufferError
@@ -131,12 +133,15 @@ class LeaseKeeper:
 
 
 def generate_batch(engine: Engine, prompt_ids: list[list[int]], n: int, sampling: Sampling,
-                   sync: WeightSyncHook | None) -> list[list[Completion]]:
+                   sync: WeightSyncHook | None, images: list[list[bytes] | None] | None = None
+                   ) -> list[list[Completion]]:
     """`engine.generate`, or in `interrupt` mode the same batch with new weights loaded into it as
-    they come: the batch runs on the engine's thread while this one polls the service."""
+    they come: the batch runs on the engine's thread while this one polls the service. `images`:
+    per prompt its images or None (None: a text batch, which every engine takes as before)."""
+    more = {} if images is None else {"images": images}
     if sync is None or sync.mode != "interrupt" or not engine.loads_mid_batch:
-        return engine.generate(prompt_ids, n, sampling)
-    batch = engine.submit(prompt_ids, n, sampling)
+        return engine.generate(prompt_ids, n, sampling, **more)
+    batch = engine.submit(prompt_ids, n, sampling, **more)
     while wait([batch], timeout=sync.poll_s).not_done:
         try:
             sync.poll_mid_batch(engine)
@@ -187,12 +192,17 @@ def make_rollouts(grant: LeaseGrant, cfg: GeneratorConfig, engine: Engine, sampl
     groups, prompt_ids = [], []
     tools = getattr(factory, "chat_tools", None)  # (a tools environment's schemas, for the template)
     for g in grant.groups:
-        ids = encode_prompt(engine.tokenizer, g.prompt, cfg.use_chat_template, g.messages, tools)
-        fitted, why = fit_prompt(ids, cfg)
+        ids: list[int] = []
+        try:
+            if g.images and (factory is not None or agents is not None):
+                raise PromptRefused("a prompt with images is sampled single-turn: multi-turn episodes and agent "
+                                    "sessions take text prompts only")
+            ids = encode_prompt(engine.tokenizer, g.prompt, cfg.use_chat_template, g.messages, tools, g.images)
+            fitted, why = fit_prompt(ids, cfg, len(g.images or ()))
+        except PromptRefused as e:
+            fitted, why = None, str(e)
         if fitted is None:
-            counts.refused += 1
-            log.warning("group %d refused: %s", g.group_id, why)
-            client.group_failed(grant.lease_id, g.group_id, why)
+            _refuse(grant, g, client, counts, why)
             continue
         counts.truncated += len(fitted) < len(ids)
         groups.append(g)
@@ -209,17 +219,37 @@ def make_rollouts(grant: LeaseGrant, cfg: GeneratorConfig, engine: Engine, sampl
     t0 = time.monotonic()
     budgets = [min(cfg.max_new_tokens, cfg.max_len - len(ids)) if cfg.max_len else sampling.max_tokens
                for ids in prompt_ids]
+    # (None for a text lease: engines are called as they always were)
+    images = [g.images or None for g in groups] if any(g.images for g in groups) else None
     try:
         completions = generate_batch(engine, prompt_ids, grant.n_samples, replace(sampling, max_tokens=max(budgets)),
-                                     sync)
+                                     sync, images)
     except ValueError as e:
         # The engine refused the inputs (e.g. a prompt past vLLM's max_model_len): retrying will not
         # help, so the groups are reported failed instead of expiring and coming back forever.
         return _give_up(grant, groups, client, counts, f"engine refused the prompt: {e}")
     counts.generate_s += time.monotonic() - t0
     rollouts = []
+    placeholders = set(getattr(engine, "placeholder_ids", ()))
     for g, ids, comps, budget in zip(groups, prompt_ids, completions, budgets):
+        if g.images:  # the prompt is the engine's: each image's placeholder expanded to its tokens
+            if any(c.prompt_ids is None for c in comps):
+                _refuse(grant, g, client, counts, "the engine gave no expanded prompt ids for a prompt with images")
+                continue
+            ids = comps[0].prompt_ids
+            if cfg.max_len:  # (its budget too: sampled with at least this many tokens, cut below)
+                budget = min(cfg.max_new_tokens, cfg.max_len - len(ids))
+                if budget < 1:
+                    _refuse(grant, g, client, counts, f"prompt of {len(ids)} tokens with its images expanded leaves "
+                                                      f"no completion within generator.max_len={cfg.max_len}")
+                    continue
         comps = [cut(c, budget, engine.tokenizer, len(ids)) for c in comps]
+        if placeholders:
+            comps = [before_placeholder(c, placeholders, engine.tokenizer, len(ids)) for c in comps]
+            if not all(c.token_ids for c in comps):
+                _refuse(grant, g, client, counts, "a completion began with an image placeholder token, which the "
+                                                  "learner's forward cannot take without an image")
+                continue
         if cfg.record_routes and any(c.routes is None for c in comps):
             counts.refused += 1
             why = "routing replay: the engine recorded no routes for a completion of this group"
@@ -236,7 +266,8 @@ def make_rollouts(grant: LeaseGrant, cfg: GeneratorConfig, engine: Engine, sampl
                 versions=(np.full(t, version, dtype=ID_DTYPE) if c.versions is None
                           else np.asarray(c.versions, dtype=ID_DTYPE)),  # (T,) non-decreasing
                 prompt=g.prompt, completion=c.text, label=g.label, columns=g.columns,
-                finish_reason=c.finish_reason, worker_id=worker_id, **route_fields(c.routes),
+                finish_reason=c.finish_reason, worker_id=worker_id, images=g.images or None,
+                **route_fields(c.routes),
             ))
             counts.tokens += t
         counts.samples += len(comps)
@@ -252,7 +283,23 @@ def cut(c: Completion, budget: int, tokenizer, prompt_len: int = 0) -> Completio
     return Completion(c.token_ids[:budget], c.logprobs[:budget], "length",
                       tokenizer.decode(c.token_ids[:budget], skip_special_tokens=True),
                       None if c.versions is None else c.versions[:budget],
-                      routes=None if c.routes is None else c.routes[:prompt_len + budget - 1])
+                      routes=None if c.routes is None else c.routes[:prompt_len + budget - 1], prompt_ids=c.prompt_ids)
+
+
+def before_placeholder(c: Completion, placeholders: set[int], tokenizer, prompt_len: int = 0) -> Completion:
+    """A vision-language policy's completion ended before the first image (or video) placeholder it
+    sampled, if any: the model's forward gives every placeholder an image's features, so a sequence
+    with one more placeholder than images cannot be run (the learner refuses it). The tokens kept
+    are as sampled; a trained policy practically never samples a placeholder."""
+    at = next((t for t, tok in enumerate(c.token_ids) if tok in placeholders), None)
+    return c if at is None else cut(c, at, tokenizer, prompt_len)
+
+
+def _refuse(grant: LeaseGrant, g, client: BufferClient, counts: Counters, why: str) -> None:
+    """Report one group of the lease failed (counted by the buffer, not issued again)."""
+    counts.refused += 1
+    log.warning("group %d refused: %s", g.group_id, why)
+    client.group_failed(grant.lease_id, g.group_id, why)
 
 
 def route_fields(routes) -> dict:

@@ -47,7 +47,11 @@ log = logging.getLogger("conveyor.scorer")
 
 class Reference:
     """The frozen reference policy: log-probs of each completion token at temperature 1, computed
-    with the learner's own function (`completion_logprobs`) so the KL term compares like with like."""
+    with the learner's own function (`completion_logprobs`) so the KL term compares like with like.
+
+    A vision-language reference (Qwen2-VL family) runs each rollout with its images
+    (`Rollout.images`, through the model's own image processor: `learner.vision.Pixels`), as the
+    learner does; a text reference refuses rollouts with images (their samples fail)."""
 
     name = "reference"
 
@@ -55,17 +59,25 @@ class Reference:
         from transformers import AutoTokenizer
 
         from learner.modeling import load_causal_lm
+        from learner.vision import Pixels, is_vision_model
 
+        self.path = path
         self.model = load_causal_lm(path, dtype=dtype, device=device)
         pad = AutoTokenizer.from_pretrained(path).pad_token_id
         self.pad_id = int(pad) if pad is not None else 0
         self.batch_size = batch_size
+        self.pixels = Pixels(path) if is_vision_model(path) else None
 
     def logprobs(self, rollouts: Sequence[Rollout]) -> list[np.ndarray]:
         from learner.modeling import completion_logprobs
 
+        images = [r.images for r in rollouts]
+        if self.pixels is None and any(images):
+            raise ValueError(f"{self.path} is a text model: it cannot score rollouts of prompts with images")
         lps = completion_logprobs(self.model, [r.prompt_ids for r in rollouts], [r.completion_ids for r in rollouts],
-                                  temperature=1.0, batch_size=self.batch_size, pad_id=self.pad_id)
+                                  temperature=1.0, batch_size=self.batch_size, pad_id=self.pad_id,
+                                  images=images if self.pixels is not None else None, pixels=self.pixels,
+                                  packing=self.pixels is None)  # (a vision model's rows run whole, as the learner's)
         return [lp.numpy().astype(LOGPROB_DTYPE) for lp in lps]  # each (T_i,)
 
 

@@ -94,9 +94,11 @@ def _encode(processor, rows: list[dict], answers: bool):
         prompt = processor.apply_chat_template(chat, add_generation_prompt=True, tokenize=False)
         texts.append(prompt + (r["label"] + "\n" if answers else ""))
         images.append([pil_image(base64.b64decode(b)) for b in r["images"]])
-        prompt_lens.append(len(processor(text=[prompt], images=images[-1])["input_ids"][0]))
+        # the template's text as it is, no <s> added: the ids a generator renders (actors.prompts)
+        prompt_lens.append(len(processor(text=[prompt], images=images[-1], add_special_tokens=False)["input_ids"][0]))
     processor.tokenizer.padding_side = "left" if not answers else "right"
-    return processor(text=texts, images=images, return_tensors="pt", padding=True), prompt_lens
+    return processor(text=texts, images=images, return_tensors="pt", padding=True, add_special_tokens=False), \
+        prompt_lens
 
 
 def warm_start(model_dir: str | Path, out_dir: str | Path, rows: list[dict], steps: int, *, batch_size: int = 32,

@@ -24,7 +24,8 @@ def build_engine(cfg) -> Engine:
         return cls(cfg.model, tokenizer=cfg.tokenizer, dtype=cfg.dtype, seed=cfg.seed,
                    tensor_parallel_size=cfg.tensor_parallel_size, gpu_memory_utilization=cfg.gpu_memory_utilization,
                    max_model_len=cfg.max_model_len, worker_extension=cfg.worker_extension, lora_rank=cfg.lora_rank,
-                   cpu_linear=cfg.cpu_linear, record_routes=cfg.record_routes)
+                   cpu_linear=cfg.cpu_linear, record_routes=cfg.record_routes,
+                   max_images_per_prompt=cfg.max_images_per_prompt)
     elif cfg.engine == "transformers":
         from actors.engines.hf import TransformersEngine
 

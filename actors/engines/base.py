@@ -14,6 +14,9 @@ All return, for each sampled token, its behaviour log-prob `log mu(token)` under
 it was actually drawn from: log_softmax(logits / T) after top-k/top-p masking and renormalisation
 (vLLM's `processed_logprobs`). With temperature 0 (greedy) it is log_softmax(logits).
 
+A vision-language policy's prompts come with their images (the vLLM engines take them, as vLLM's
+`multi_modal_data`; the transformers engine samples text prompts only).
+
 torch and vllm are imported inside the backends, and the backends' modules on first use
 (`actors.engines.VLLMEngine`: actors/engines/__init__.py), so importing this module is cheap.
 """
@@ -60,6 +63,10 @@ class Completion:
     # (P+T-1, layers, k) uint8/uint16 numpy: the experts a mixture-of-experts engine routed each token
     # of prompt + completion but the last to, from an engine that records them (record_routes); else None
     routes: Any = None
+    # (P,) the prompt's ids as the engine ran them, given for a prompt with images: each image's one
+    # placeholder expanded to its tokens (what the model's processor gives for the text and images);
+    # None: the prompt ids it was given
+    prompt_ids: list[int] | None = None
 
 
 class Engine(ABC):
@@ -69,14 +76,23 @@ class Engine(ABC):
 
     version: int = 0
     tokenizer: Any = None
+    placeholder_ids: tuple[int, ...] = ()
+    """A vision-language policy's image and video placeholder ids (`<|image_pad|>`, `<|video_pad|>`):
+    a completion that samples one is ended before it (`actors.generator.before_placeholder`), since
+    the model's forward matches every placeholder to an image's features. Empty: a text policy."""
     loads_mid_batch: bool = False
-    """True for an engine with `submit(prompt_ids, n, sampling) -> Future` that returns at once and
-    a `receive_weights` that may run while that batch generates (weight-sync mode `interrupt`); its
-    completions then carry per-token `versions`."""
+    """True for an engine with `submit(prompt_ids, n, sampling, images=None) -> Future` that returns
+    at once and a `receive_weights` that may run while that batch generates (weight-sync mode
+    `interrupt`); its completions then carry per-token `versions`."""
 
     @abstractmethod
-    def generate(self, prompt_ids: list[list[int]], n: int, sampling: Sampling) -> list[list[Completion]]:
-        """`n` completions of each prompt, in prompt order."""
+    def generate(self, prompt_ids: list[list[int]], n: int, sampling: Sampling,
+                 images: list[list[bytes] | None] | None = None) -> list[list[Completion]]:
+        """`n` completions of each prompt, in prompt order.
+
+        `images`: per prompt, its encoded images (common.images) or None; a prompt with images holds
+        one placeholder per image (`actors.prompts.encode_prompt`), and its completions carry the
+        expanded ids (`Completion.prompt_ids`). An engine that cannot take them raises ValueError."""
 
     @abstractmethod
     def receive_weights(self, info: RoundInfo) -> dict:

@@ -1,7 +1,8 @@
 """The transformers backend: a Hugging Face causal LM sampled by hand over its KV cache. Slow, but
 easy to step through, and a second opinion on vLLM's numbers (the same processed log-probs, see
 `actors.engines.base.process_logits`). torch and transformers are imported inside. A LoRA adapter round
-is merged into the weights (base + scale * B @ A).
+is merged into the weights (base + scale * B @ A). Text prompts only: a prompt with images is refused
+(ValueError), the vLLM engines take them.
 """
 
 from __future__ import annotations
@@ -58,9 +59,16 @@ class TransformersEngine(Engine):
         self.version = 0
         self._lora_base: dict = {}  # the base weights LoRA adapter rounds are merged into
 
-    def generate(self, prompt_ids: list[list[int]], n: int, sampling: Sampling) -> list[list[Completion]]:
+    def generate(self, prompt_ids: list[list[int]], n: int, sampling: Sampling,
+                 images: list[list[bytes] | None] | None = None) -> list[list[Completion]]:
         import torch
 
+        with_images = [i for i, imgs in enumerate(images or ()) if imgs]
+        if with_images:
+            # The hand-written loop gives each token 1-D positions; a vision-language model's image
+            # tokens need its M-RoPE positions and its pixels: use generator.engine=vllm for them.
+            raise ValueError(f"the transformers engine samples text prompts only: prompt(s) {with_images} of the "
+                             f"batch have images (generator.engine=vllm takes them)")
         if not prompt_ids:
             return []
         seqs = [list(map(int, p)) for p in prompt_ids for _ in range(n)]

@@ -45,7 +45,7 @@ def scored_rows(vlm_dir, pictures, answers=("2", "13", "0")) -> tuple[list[Score
         imgs = pictures[i:i + 2] if i == 1 else pictures[i:i + 1]
         chat = [{"role": "user", "content": text_to_parts("<image>" * len(imgs) + "How many red squares?")}]
         prompt = processor.apply_chat_template(chat, add_generation_prompt=True, tokenize=False)
-        ids = processor(text=[prompt], images=[pil_image(b) for b in imgs])["input_ids"][0]
+        ids = processor(text=[prompt], images=[pil_image(b) for b in imgs], add_special_tokens=False)["input_ids"][0]
         completion = processor.tokenizer(answer, add_special_tokens=False)["input_ids"]
         r = Rollout(group_id=i, sample_index=0, lease_id=0, prompt_ids=np.asarray(ids, np.int32),
                     completion_ids=np.asarray(completion, np.int32),
@@ -55,7 +55,7 @@ def scored_rows(vlm_dir, pictures, answers=("2", "13", "0")) -> tuple[list[Score
         texts.append(prompt + answer)
         images.append([pil_image(b) for b in imgs])
     processor.tokenizer.padding_side = "right"
-    return out, processor(text=texts, images=images, return_tensors="pt", padding=True)
+    return out, processor(text=texts, images=images, return_tensors="pt", padding=True, add_special_tokens=False)
 
 
 def test_the_learners_forward_with_pixels_is_transformers_own(vlm_dir, pictures):

@@ -170,7 +170,7 @@ def test_a_run_survives_a_partition(link, demo, tmp_path):
             assert driver.poll() is None, log.read_text(errors="replace")[-4000:]
             roles = {r["name"]: r for r in run_status(run_dir).get("roles", [])}
             gens = [roles.get(f"generator-{i}", {}) for i in (0, 1)]
-            return len(metrics(run_dir)) >= 3 and all(g.get("ready", {}).get("samples") for g in gens) and gens
+            return len(metrics(run_dir)) >= 3 and all((g.get("ready") or {}).get("samples") for g in gens) and gens
 
         gens = wait_for(both_serving, 300, "both generators serving and the learner's step 3", poll_s=0.5)
         on_b = next(g["ready"]["worker_id"] for g in gens if g["node"] == b)

@@ -12,6 +12,14 @@ With `lora_rank > 0` (a learner that trains LoRA adapters) the engine starts wit
 support on (`enable_lora`, checked on the CPU build: adapters load into a running engine and
 greedy outputs equal transformers' on the merged weights), every request names the policy's
 adapter, and rounds carry only the adapter (`actors/engines/vllm/worker.py` has how it is loaded).
+
+A vision-language policy (Qwen2-VL family, `learner.vision.is_vision_model`) takes each prompt's
+images with it: the prompt's ids hold one `<|image_pad|>` per image, unexpanded (as
+`actors.prompts.encode_prompt` writes them), and the decoded images go in the request's
+`multi_modal_data`; vLLM runs the model's own processor on them and expands each pad to its image's
+tokens. Ids already expanded would be expanded again. The completions carry the expanded prompt
+ids (`Completion.prompt_ids`: what the model's processor gives for the text and the images, checked
+on the CPU build), which the rollout keeps so that the learner's forward sees the same sequence.
 """
 
 from __future__ import annotations
@@ -30,7 +38,10 @@ from typing import Any
 
 from actors.engines.base import Completion, Engine, Sampling
 from actors.engines.vllm.worker import CPU_LINEAR_ENV, apply_round_async, lora_request, rpc_timeout, use_cpu_linear
+from actors.prompts import placeholder_ids
+from common.images import pil_image
 from common.models import num_experts
+from learner.vision import is_vision_model
 from weight_sync.messages import RoundInfo, round_info, to_builtins
 
 log = logging.getLogger(__name__)
@@ -49,10 +60,11 @@ def extension_available(dotted: str) -> bool:
 
 def _vllm_kwargs(model: str, tokenizer: str, dtype: str, seed: int, tensor_parallel_size: int,
                  gpu_memory_utilization: float, max_model_len: int, worker_extension: str,
-                 lora_rank: int = 0, record_routes: bool = False) -> dict[str, Any]:
+                 lora_rank: int = 0, record_routes: bool = False, max_images: int = 0) -> dict[str, Any]:
     """Engine arguments shared by `LLM` and `AsyncLLM`: eager mode, processed log-probs, the worker
     extension that receives weights (when its module exists), LoRA for adapters up to `lora_rank`,
-    no prefix caching when the engine records routes (`actors.engines.vllm.routes`)."""
+    no prefix caching when the engine records routes (`actors.engines.vllm.routes`), up to
+    `max_images` images per prompt and no videos for a vision-language model (0: a text model)."""
     if not gpu_memory_utilization:
         # Ask vLLM's own platform, never torch.cuda.is_available() before vllm is imported: without
         # PYTORCH_NVML_BASED_CUDA_CHECK=1 that call initialises the CUDA driver (torch/cuda/__init__.py,
@@ -72,6 +84,8 @@ def _vllm_kwargs(model: str, tokenizer: str, dtype: str, seed: int, tensor_paral
     )
     if max_model_len:
         kwargs["max_model_len"] = max_model_len
+    if max_images:
+        kwargs["limit_mm_per_prompt"] = {"image": max_images, "video": 0}
     if lora_rank:
         if lora_rank > VLLM_LORA_RANKS[-1]:
             raise ValueError(f"lora_rank={lora_rank}: vLLM serves adapters up to rank {VLLM_LORA_RANKS[-1]}")
@@ -117,15 +131,41 @@ def _sampling_params(n: int, sampling: Sampling, **extra):
     )
 
 
-def _completion(c, versions: list[int] | None = None) -> Completion:
-    """A vLLM `CompletionOutput` as a `Completion`."""
+def _completion(c, versions: list[int] | None = None, prompt_ids: list[int] | None = None) -> Completion:
+    """A vLLM `CompletionOutput` as a `Completion` (`prompt_ids`: the request's expanded ones)."""
     ids = list(c.token_ids)
     lps = [c.logprobs[t][tok].logprob for t, tok in enumerate(ids)]
-    return Completion(ids, lps, str(c.finish_reason or "length"), c.text, versions, c.stop_reason)
+    return Completion(ids, lps, str(c.finish_reason or "length"), c.text, versions, c.stop_reason,
+                      prompt_ids=prompt_ids)
+
+
+def _check_images(prompt_ids: list[list[int]], images) -> list:
+    """`images` as one entry per prompt (None: none has images)."""
+    if images is None:
+        return [None] * len(prompt_ids)
+    if len(images) != len(prompt_ids):
+        raise ValueError(f"{len(images)} image lists for {len(prompt_ids)} prompts: give one per prompt (or None)")
+    return list(images)
+
+
+def _request_prompt(ids, images):
+    """The vLLM prompt of one request: its ids and, with images, their decoded pixels."""
+    from vllm.inputs import TokensPrompt
+
+    prompt = TokensPrompt(prompt_token_ids=[int(t) for t in ids])
+    if images:
+        prompt["multi_modal_data"] = {"image": [pil_image(bytes(b)) for b in images]}
+    return prompt
+
+
+def _expanded(output, images) -> list[int] | None:
+    """A `RequestOutput`'s prompt ids as the engine expanded them, for a prompt with images."""
+    return [int(t) for t in output.prompt_token_ids] if images else None
 
 
 def _sequences(prompt_ids: list[list[int]], out: list[list[Completion]]) -> list[list[int]]:
-    return [[int(t) for t in p] + list(c.token_ids) for p, cs in zip(prompt_ids, out) for c in cs]
+    return [[int(t) for t in (p if c.prompt_ids is None else c.prompt_ids)] + list(c.token_ids)
+            for p, cs in zip(prompt_ids, out) for c in cs]
 
 
 def _attach_routes(out: list[list[Completion]], taken: list) -> None:
@@ -147,11 +187,15 @@ class _VLLMBackend(Engine):
     def __init__(self, model: str, *, tokenizer: str = "", dtype: str = "float32", seed: int = 0,
                  tensor_parallel_size: int = 1, gpu_memory_utilization: float = 0.0, max_model_len: int = 0,
                  worker_extension: str = "actors.engines.vllm.worker.WorkerExtension", lora_rank: int = 0,
-                 cpu_linear: str = "auto", record_routes: bool = False):
+                 cpu_linear: str = "auto", record_routes: bool = False, max_images_per_prompt: int = 1):
         # a mixture of experts' LoRA rounds carry merged weights (learner.lora.sends_merged): no adapters
-        served_rank = 0 if lora_rank and is_moe(model) else lora_rank
+        # (and a vision-language model's: learner.lora.sends_merged)
+        served_rank = 0 if lora_rank and (is_moe(model) or is_vision_model(model)) else lora_rank
+        if max_images_per_prompt < 1:
+            raise ValueError(f"max_images_per_prompt={max_images_per_prompt} must be >= 1")
+        max_images = max_images_per_prompt if is_vision_model(model) else 0
         kwargs = _vllm_kwargs(model, tokenizer, dtype, seed, tensor_parallel_size, gpu_memory_utilization,
-                              max_model_len, worker_extension, served_rank, record_routes)
+                              max_model_len, worker_extension, served_rank, record_routes, max_images)
         self.record_routes = record_routes
         # read by the worker extension's module in vLLM's worker process, before the model is built
         os.environ[CPU_LINEAR_ENV] = "plain" if cpu_linear == "plain" or (cpu_linear == "auto" and dtype == "float32") \
@@ -165,6 +209,7 @@ class _VLLMBackend(Engine):
         self.lora_request = lora_request(self.lora_folder) if served_rank and self.has_extension else None
         try:
             self._start_engine(kwargs)
+            self.placeholder_ids = placeholder_ids(self.tokenizer) if max_images else ()
             if served_rank and self.has_extension:
                 self._rpc("init_lora_slot", (kwargs["max_lora_rank"], self.lora_folder))
             if record_routes:
@@ -218,13 +263,18 @@ class VLLMEngine(_VLLMBackend):
     def _rpc(self, method: str, args: tuple) -> list:
         return self.llm.collective_rpc(method, args=args)
 
-    def generate(self, prompt_ids: list[list[int]], n: int, sampling: Sampling) -> list[list[Completion]]:
-        from vllm.inputs import TokensPrompt
+    def generate(self, prompt_ids: list[list[int]], n: int, sampling: Sampling,
+                 images: list[list[bytes] | None] | None = None) -> list[list[Completion]]:
+        from vllm.exceptions import VLLMClientError
 
-        prompts = [TokensPrompt(prompt_token_ids=[int(t) for t in p]) for p in prompt_ids]
-        outputs = self.llm.generate(prompts, _sampling_params(n, sampling), use_tqdm=False,
-                                    lora_request=self.lora_request)
-        out = [[_completion(c) for c in o.outputs] for o in outputs]
+        images = _check_images(prompt_ids, images)
+        prompts = [_request_prompt(p, imgs) for p, imgs in zip(prompt_ids, images)]
+        try:
+            outputs = self.llm.generate(prompts, _sampling_params(n, sampling), use_tqdm=False,
+                                        lora_request=self.lora_request)
+        except VLLMClientError as e:  # the Engine contract: refused inputs (too many images, ...) raise ValueError
+            raise ValueError(str(e)) from e
+        out = [[_completion(c, prompt_ids=_expanded(o, imgs)) for c in o.outputs] for o, imgs in zip(outputs, images)]
         if self.record_routes:  # (the first worker's: every tensor-parallel rank routes alike)
             _attach_routes(out, self.llm.collective_rpc("take_routes", args=(_sequences(prompt_ids, out),))[0])
         return out
@@ -327,16 +377,21 @@ class AsyncVLLMEngine(_VLLMBackend):
         self.llm = AsyncLLM.from_engine_args(AsyncEngineArgs(**kwargs, disable_log_stats=True))
         await self.llm.update_weight_version(str(self.version))
 
-    def submit(self, prompt_ids: list[list[int]], n: int, sampling: Sampling) -> Future:
+    def submit(self, prompt_ids: list[list[int]], n: int, sampling: Sampling,
+               images: list[list[bytes] | None] | None = None) -> Future:
         """Start a batch; a future of what `generate` returns."""
-        return asyncio.run_coroutine_threadsafe(self._generate(prompt_ids, n, sampling), self._loop)
+        images = _check_images(prompt_ids, images)
+        # (images decoded here, not on the engine's loop: its output handler keeps running meanwhile)
+        prompts = [_request_prompt(p, imgs) for p, imgs in zip(prompt_ids, images)]
+        return asyncio.run_coroutine_threadsafe(self._generate(prompt_ids, prompts, n, sampling, images), self._loop)
 
-    def generate(self, prompt_ids: list[list[int]], n: int, sampling: Sampling) -> list[list[Completion]]:
-        return self.submit(prompt_ids, n, sampling).result()
+    def generate(self, prompt_ids: list[list[int]], n: int, sampling: Sampling,
+                 images: list[list[bytes] | None] | None = None) -> list[list[Completion]]:
+        return self.submit(prompt_ids, n, sampling, images).result()
 
-    async def _generate(self, prompt_ids, n: int, sampling: Sampling) -> list[list[Completion]]:
+    async def _generate(self, prompt_ids, prompts: list, n: int, sampling: Sampling,
+                        images: list) -> list[list[Completion]]:
         from vllm.exceptions import VLLMClientError
-        from vllm.inputs import TokensPrompt
         from vllm.sampling_params import RequestOutputKind
 
         task = asyncio.current_task()
@@ -352,14 +407,14 @@ class AsyncVLLMEngine(_VLLMBackend):
             try:
                 # a failing request (one the engine refuses) cancels, and so aborts, the others
                 async with asyncio.TaskGroup() as tg:
-                    requests = [tg.create_task(self._request(TokensPrompt(prompt_token_ids=[int(t) for t in p]),
-                                                             params)) for p in prompt_ids]
+                    requests = [tg.create_task(self._request(prompt, params)) for prompt in prompts]
             except ExceptionGroup as eg:
                 e = eg.exceptions[0]
                 if isinstance(e, VLLMClientError):  # the Engine contract: refused inputs raise ValueError
                     raise ValueError(str(e)) from e
                 raise e from None
-            out = [[_completion(c, _token_versions(c)) for c in r.result().outputs] for r in requests]
+            out = [[_completion(c, _token_versions(c), _expanded(r.result(), imgs)) for c in r.result().outputs]
+                   for r, imgs in zip(requests, images)]
             if self.record_routes:
                 taken = await self.llm.collective_rpc("take_routes", args=(_sequences(prompt_ids, out),))
                 _attach_routes(out, taken[0])
