@@ -232,6 +232,8 @@ def finish(run: Run, explicit: dict | None = None, paths: bool = True) -> None:
     b.curve = w.curve = "on" if secure else "off"  # (one decision: every role holds the same keys or none)
     if not is_set(explicit, "generator.lora_rank"):
         g.lora_rank = l.lora_rank  # the generator serves the adapters the learner trains
+    if not is_set(explicit, "generator.max_images_per_prompt"):
+        g.max_images_per_prompt = max(1, b.max_images_per_prompt)  # vLLM's image limit: what the buffer issues
     if not is_set(explicit, "generator.record_routes"):
         g.record_routes = l.routing_replay != "off"  # the learner replays the routes the generators record
     if not is_set(explicit, "scorer.max_new_tokens"):
