@@ -26,7 +26,8 @@
 #     over gloo, and over NCCL where there are 2 GPUs;
 # 11. a tiny mixture of experts end to end (tests/system/test_moe.py): routing replay, weight rounds
 #     into vLLM's fused-MoE layers, engine and learner agreeing at staleness 0 (GPU only);
-# 12. the demo (launch.demo, asynchronous: 20 steps; 2 in --cpu-smoke).
+# 12. a tiny vision-language model (Qwen2-VL) on vLLM's CUDA engine, and end to end (GPU only);
+# 13. the demo (launch.demo, asynchronous: 20 steps; 2 in --cpu-smoke).
 #
 # On a GPU every step records the peak of `nvidia-smi --query-gpu=memory.used` while it ran (the
 # engine's memory is in its own process, out of reach of torch.cuda.max_memory_allocated here).
@@ -200,6 +201,13 @@ fi
 # load_weights, the engine and the learner agreeing at staleness 0, a LoRA run's merged rounds); the
 # CPU suite runs the same test on the CPU build
 gpu_step "MoE end to end (routing replay, rounds)" 420 $PY -m pytest -x -q tests/system/test_moe.py -p no:cacheprovider
+# a vision-language policy (the tiny Qwen2-VL, fp32) on vLLM's CUDA engine: the engine's expansion of the
+# image placeholders is the processor's, its greedy answers are transformers', its log-probs the
+# learner's with the pixels; and the whole loop (tests/system/test_vision.py: rounds into the vision
+# tower, a frozen tower left out). The CPU suite runs both on the CPU build.
+gpu_step "vision-language engine (expansion, greedy, log-probs)" 300 $PY -m pytest -x -q tests/actors/test_vision.py \
+  -k "expansion or greedy or behaviour_logprobs" -p no:cacheprovider
+gpu_step "vision-language end to end" 600 $PY -m pytest -x -q tests/system/test_vision.py -p no:cacheprovider
 step "demo ($STEPS steps, async)" 600 $PY -m launch.demo --learner.total_steps $STEPS --demo.warm_steps 0 \
   --demo.out "$WORK/demo"
 

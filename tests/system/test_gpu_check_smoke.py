@@ -16,9 +16,11 @@ STEPS = ["nvidia-smi", "make install (dry run)", "CUDA check (scripts/check_cuda
          "generation vLLM vs transformers", "learner step", "CUDA IPC slot", "weight rounds (no vLLM on CPU)",
          "killed member (gloo)", "absent peer (gloo)", "killed member (nccl)", "vLLM V2 model runner",
          "vLLM V1 model runner", "sequence parallel (gloo)", "sequence parallel (nccl)",
-         "MoE end to end (routing replay, rounds)", "demo (2 steps, async)"]
+         "MoE end to end (routing replay, rounds)", "vision-language engine (expansion, greedy, log-probs)",
+         "vision-language end to end", "demo (2 steps, async)"]
 GPU_ONLY = {"nvidia-smi", "CUDA check (scripts/check_cuda.py)", "killed member (nccl)", "vLLM V2 model runner",
-            "vLLM V1 model runner", "sequence parallel (nccl)", "MoE end to end (routing replay, rounds)"}
+            "vLLM V1 model runner", "sequence parallel (nccl)", "MoE end to end (routing replay, rounds)",
+            "vision-language engine (expansion, greedy, log-probs)", "vision-language end to end"}
 
 
 @pytest.mark.slow

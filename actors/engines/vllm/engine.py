@@ -197,6 +197,7 @@ class _VLLMBackend(Engine):
         kwargs = _vllm_kwargs(model, tokenizer, dtype, seed, tensor_parallel_size, gpu_memory_utilization,
                               max_model_len, worker_extension, served_rank, record_routes, max_images)
         self.record_routes = record_routes
+        self.vision = max_images > 0  # (its encoder cache holds image features the old weights computed)
         # read by the worker extension's module in vLLM's worker process, before the model is built
         os.environ[CPU_LINEAR_ENV] = "plain" if cpu_linear == "plain" or (cpu_linear == "auto" and dtype == "float32") \
             else "packed"
@@ -292,6 +293,8 @@ class VLLMEngine(_VLLMBackend):
         # Cached prefix blocks hold keys/values the old weights computed: a new prompt must not reuse
         # them. Nothing runs between batches, so the reset succeeds.
         self.llm.reset_prefix_cache()
+        if self.vision:  # and so do the cached features of images seen before (vLLM's encoder cache)
+            self.llm.llm_engine.reset_encoder_cache()
         self.version = stats.get("version", info.version)  # newer after a repaired in-place load
         return stats
 
@@ -401,6 +404,8 @@ class AsyncVLLMEngine(_VLLMBackend):
                 # Blocks cached before a load hold the old weights' keys and values: new prompts must
                 # not reuse them. Reset once no batch runs (a running request holds its blocks).
                 if len(self._batches) == 1:
+                    if self.vision:  # the encoder cache's image features too (the old weights computed them)
+                        await self.llm.reset_encoder_cache()
                     self._prefix_cache_stale = not await self.llm.reset_prefix_cache()
             # FINAL_ONLY: the finished completions only (the version spans come with them)
             params = _sampling_params(n, sampling, output_kind=RequestOutputKind.FINAL_ONLY)

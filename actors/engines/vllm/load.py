@@ -66,7 +66,9 @@ def load_plan(model, named: list, staging: dict | None = None) -> LoadPlan | Non
     None refuses repacked layers (a plain copy into them would not reach their kernels)."""
     params = dict(model.named_parameters())
     modules = dict(model.named_modules())
-    packed = getattr(model, "packed_modules_mapping", {}) or {}
+    packed: dict = {}  # (a vision-language model's is its language model's: the outer one's may be empty)
+    for m in (*model.modules(), model):
+        packed.update(getattr(m, "packed_modules_mapping", None) or {})
     shards = {part: (fused, i) for fused, parts in packed.items() for i, part in enumerate(parts)}
     named = vllm_names(model, named)
     sizes = {name: t.shape for name, t in named}
