@@ -43,6 +43,7 @@ from actors.agents.sessions import load_agent
 from actors.config import GeneratorConfig
 from actors.engines import build_engine
 from actors.engines.base import Completion, Engine, Sampling
+from actors.envs.agent_executor import ExecutorEpisodes
 from actors.envs.episodes import rollout_of, run_episodes
 from actors.envs.loader import load_env
 from actors.prompts import PromptRefused, encode_prompt, fit_prompt
@@ -50,6 +51,7 @@ from actors.tasks import TaskEnvs
 from actors.weight_hook import WeightSyncHook
 from buffer.client import BufferClient, BufferError
 from buffer.messages import ID_DTYPE, LOGPROB_DTYPE, LeaseGrant, Rollout, Wait
+from common.images import BadImage, pil_image
 from common.ready import mark_ready
 
 log = logging.getLogger("conveyor.generator")
@@ -194,9 +196,14 @@ def make_rollouts(grant: LeaseGrant, cfg: GeneratorConfig, engine: Engine, sampl
     for g in grant.groups:
         ids: list[int] = []
         try:
-            if g.images and (factory is not None or agents is not None):
-                raise PromptRefused("a prompt with images is sampled single-turn: multi-turn episodes and agent "
-                                    "sessions take text prompts only")
+            if g.images and (agents is not None or isinstance(factory, ExecutorEpisodes)):
+                raise PromptRefused("a prompt with images cannot start an agent session or an OpenRLHF "
+                                    "AgentExecutor's own execute: those take text prompts only")
+            for k, image in enumerate(g.images or ()):  # (one that cannot be decoded fails its group, not the lease)
+                try:
+                    pil_image(image)
+                except BadImage as e:
+                    raise PromptRefused(f"image {k}: {e}") from None
             ids = encode_prompt(engine.tokenizer, g.prompt, cfg.use_chat_template, g.messages, tools, g.images)
             fitted, why = fit_prompt(ids, cfg, len(g.images or ()))
         except PromptRefused as e:
@@ -326,8 +333,8 @@ def episode_rollouts(grant: LeaseGrant, groups, prompt_ids, cfg: GeneratorConfig
     rollouts; a group with a failed episode is given up."""
     t0 = time.monotonic()
 
-    def generate(contexts, turn):
-        return [c[0] for c in generate_batch(engine, contexts, 1, turn, sync)]
+    def generate(contexts, turn, images=None):  # (images: per context, a vision-language episode's so far)
+        return [c[0] for c in generate_batch(engine, contexts, 1, turn, sync, images)]
 
     try:
         played = (agents.play(groups, grant.n_samples, engine, sampling, cfg, generate, counts.env) if agents else

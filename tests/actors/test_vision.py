@@ -203,15 +203,17 @@ def test_make_rollouts_keeps_the_expanded_ids_and_refuses_only_the_groups_that_d
     groups = [PromptGroup(0, "<image>How many?", "1", images=[pics["a"]]),
               PromptGroup(1, "1+1=", "2"),
               PromptGroup(2, "<image><image>Two?", "", images=[pics["a"]]),  # two markers, one image
-              PromptGroup(3, "<image>" * 3, "", images=[pics["a"]] * 3)]  # more than max_images_per_prompt
+              PromptGroup(3, "<image>" * 3, "", images=[pics["a"]] * 3),  # more than max_images_per_prompt
+              PromptGroup(4, "<image>Broken?", "", images=[pics["a"][:40]])]  # a PNG cut short
     # max_len 36: the text prompt (22 ids) has room for 6 tokens; the image prompt (30 ids) would
     # have 6 too, but expanded (33) has 3
     cfg = GeneratorConfig(model="m", max_new_tokens=6, max_len=36, prompt_max_len=30, max_images_per_prompt=2)
     counts = Counters()
     rollouts = make_rollouts(LeaseGrant(lease_id=9, groups=groups, n_samples=2, ttl_s=60.0, version=0), cfg, engine,
                              Sampling(max_tokens=6), client, "gen-test", counts)
-    assert sorted(failed) == [2, 3] and counts.refused == 2
+    assert sorted(failed) == [2, 3, 4] and counts.refused == 3
     assert "2 <image> marker(s) but 1 image" in failed[2] and "max_images_per_prompt=2" in failed[3]
+    assert failed[4].startswith("image 0: not an image file PIL can read"), failed[4]
     [(prompt_ids, more, _)] = engine.calls
     assert more["images"] == [[pics["a"]], None]  # aligned with the sampled groups
     sent = encode_prompt(tok, "<image>How many?", True, images=[pics["a"]])
