@@ -33,7 +33,9 @@ kind `env` passes them on: dynamic filtering judges the scores, the learner logs
 
 The one instance serves every lease, but each lease's episodes run on an event loop of their own
 (`run_episodes`): an executor that keeps loop-bound objects between calls (an `asyncio.Lock`, an
-HTTP session) must make them per call. `images` is always None (image prompts are not supported).
+HTTP session) must make them per call. `images` is always None: the generator reports a prompt
+group with images failed rather than hand it to such a file (an environment played by the
+generator's own loop takes them: actors/envs/episodes.py).
 """
 
 from __future__ import annotations

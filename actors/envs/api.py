@@ -5,13 +5,15 @@ functions that may block: those run in a thread of their own):
 
     reset(row: Row) -> str | None              the episode's opening: None keeps the row's prompt
                                                (encoded as any prompt is); a string replaces it
-    step(action: str) -> StepResult(observation: str, reward: float, done: bool, info: dict)
+    step(action: str) -> StepResult(observation: str, reward: float, done: bool, info: dict,
+                                    images: list | None = None)
 
-`action` is the text of the policy's turn; a plain 4-tuple does as well as a StepResult, so an
-environment file need not import Conveyor. The episode's reward is the sum of its steps' rewards.
-`info` may carry OpenRLHF's `scores` (a number dynamic filtering judges instead of the reward) and
-`extra_logs` (named numbers the learner logs as `reward/extra/<name>`): the episode's are its last
-step's, carried in `Rollout.env_info` to the scorer of kind `env` (`episode_info`).
+`action` is the text of the policy's turn; a plain 4-tuple (or 5-tuple, with images) does as well
+as a StepResult, so an environment file need not import Conveyor. The episode's reward is the sum
+of its steps' rewards. `info` may carry OpenRLHF's `scores` (a number dynamic filtering judges
+instead of the reward) and `extra_logs` (named numbers the learner logs as `reward/extra/<name>`):
+the episode's are its last step's, carried in `Rollout.env_info` to the scorer of kind `env`
+(`episode_info`).
 
 How a generator drives an episode (token ids all the way: text is never re-tokenised):
 
@@ -21,11 +23,19 @@ How a generator drives an episode (token ids all the way: text is never re-token
 3. `result = await run_step(env, text, timeout_s)`, `text` the turn as the engine decoded it (as
    OpenRLHF passes vLLM's `output.text`); an `EnvFailure` fails the sample;
 4. unless `result.done` (or a limit is reached): append `encode_observation(tokenizer,
-   result.observation, env.observation_role, ...)` (context, no loss, no log-probs); go to 2.
-   (OpenRLHF appends a done step's observation too; tokens after the last turn change nothing.)
+   result.observation, env.observation_role, ..., images=len(result.images or ()))` (context, no
+   loss, no log-probs), and its images; go to 2. (OpenRLHF appends a done step's observation too;
+   tokens after the last turn change nothing.)
 
-Observations are text; `observation_role` (a class attribute, `getattr(env, "observation_role",
-"user")`) says how they join the context. `"user"` (or `"tool"`): with a chat template, as a
+Observations are text, with images for a vision-language policy: `StepResult.images` (bytes of an
+image file, PIL images, base64 text or `data:image/...;base64,` URLs, as `common.images.load_image`
+reads them; made encoded bytes) stand where the observation's "<image>" markers are, one marker per
+image, in order; an observation with images but no marker gets them all at its start
+(`with_markers`). The episode's loop gives the engine each image as one placeholder and expands it
+for the rollout (actors/envs/images.py). `Row.images` are the prompt's own.
+
+`observation_role` (a class attribute, `getattr(env, "observation_role", "user")`) says how
+observations join the context. `"user"` (or `"tool"`): with a chat template, as a
 message of that role followed by the next assistant turn's header, i.e. the ids the template adds
 after the model's end-of-turn token, worked out as the difference of two renderings of a stand-in
 conversation (`encode_observation`); without a chat template the text itself. `None`: always the
@@ -66,9 +76,16 @@ import threading
 from dataclasses import dataclass, field
 from typing import Awaitable, Callable, NamedTuple
 
+from actors.prompts import IMAGE_TEXT
+from buffer.rollouts import MAX_IMAGE_BYTES, MAX_IMAGES
+from common.images import IMAGE, BadImage, ImageLimits, count_images, load_image, text_to_parts
+
 log = logging.getLogger("conveyor.env")
 
-FAILURE_KINDS = ("raised", "timeout", "bad_return")
+# "refused": not the environment's code but what the episode came to, which the generator cannot
+# sample or train on (more images than generator.max_images_per_prompt, an opening whose markers and
+# images disagree, a turn that began with an image placeholder); set by the episode's loop
+FAILURE_KINDS = ("raised", "timeout", "bad_return", "refused")
 MAX_OBSERVATION_CHARS = 1 << 20  # an observation longer than this is a bad return, not context
 
 
@@ -84,13 +101,15 @@ class Row:
     label: str | None = None
     messages: list[dict] | None = None  # a chat prompt: [{"role": ..., "content": ...}, ...]
     index: int = 0  # row of the prompt dataset
+    images: list[bytes] | None = None  # a vision-language prompt's images (encoded), one per "<image>" in it
 
     @classmethod
     def of(cls, group) -> Row:
         """The row of a leased `buffer.messages.PromptGroup`."""
         messages = None if group.messages is None else [{"role": m.role, "content": m.content}
                                                          for m in group.messages]
-        return cls(group.prompt, group.label, messages, group.index)
+        return cls(group.prompt, group.label, messages, group.index,
+                   None if group.images is None else [bytes(b) for b in group.images])
 
 
 class StepResult(NamedTuple):
@@ -98,6 +117,9 @@ class StepResult(NamedTuple):
     reward: float  # this step's reward (the episode's is the sum)
     done: bool  # the episode is over
     info: dict | None = None  # anything for logs (check_step makes None {}); never read by the learner
+    # images the observation shows, one per "<image>" marker in it (none: all at its start); check_step
+    # makes each encoded bytes (see the module docstring). None: a text observation
+    images: list | None = None
 
 
 class Environment:
@@ -141,17 +163,55 @@ async def run_step(env, action: str, timeout_s: float | None,
 
 
 def check_step(raw) -> StepResult:
-    """`raw` as a StepResult (numbers as floats, flags as bools, info a dict), else BadReturn."""
-    if not isinstance(raw, tuple) or len(raw) != 4:
-        raise BadReturn(f"returned {brief(raw)}, expected StepResult(observation, reward, done, info)")
-    observation, reward, done, info = raw
+    """`raw` as a StepResult (numbers as floats, flags as bools, info a dict, images as encoded
+    bytes with a marker each in the observation), else BadReturn."""
+    if not isinstance(raw, tuple) or len(raw) not in (4, 5):
+        raise BadReturn(f"returned {brief(raw)}, expected StepResult(observation, reward, done, info[, images])")
+    observation, reward, done, info, *images = raw
     check_text(observation, "the observation")
     info = {} if info is None else info
     if not isinstance(info, dict):
         raise BadReturn(f"returned info {brief(info)}, expected a dict")
     if info.get("scores") is not None or info.get("extra_logs"):
         info = {**info, "env_info": episode_info(info.get("scores"), info.get("extra_logs"), "info's ")}
-    return StepResult(observation, number(reward, "the reward"), flag(done, "done"), info)
+    images = observation_images(images[0] if images else None)
+    if images:
+        observation = with_markers(observation, len(images))
+    return StepResult(observation, number(reward, "the reward"), flag(done, "done"), info, images or None)
+
+
+# An observation's image: at most what a rollout carries (buffer.rollouts.MAX_IMAGE_BYTES) and as many
+# pixels as a prompt's image may have by default (the model's processor then scales it to its own bounds)
+OBSERVATION_IMAGES = ImageLimits(MAX_IMAGE_BYTES, 4096 * 4096, MAX_IMAGES, "observation")
+
+
+def observation_images(raw, what: str = "images") -> list[bytes]:
+    """An observation's images (a list of them, or one) as checked encoded bytes, else BadReturn
+    naming the bad one; None: []."""
+    if raw is None:
+        return []
+    items = list(raw) if isinstance(raw, (list, tuple)) else [raw]
+    if len(items) > OBSERVATION_IMAGES.max_images:
+        raise BadReturn(f"returned {len(items)} {what} (at most {OBSERVATION_IMAGES.max_images} in a rollout)")
+    out = []
+    for i, item in enumerate(items):
+        try:
+            out.append(load_image(item, OBSERVATION_IMAGES))
+        except BadImage as e:
+            raise BadReturn(f"returned {what}[{i}] that cannot be used: {e}") from None
+    return out
+
+
+def with_markers(text: str, n: int) -> str:
+    """An observation's text with its `n` images marked: as it is when it holds n "<image>" markers,
+    with n markers at its start when it holds none; BadReturn otherwise."""
+    markers = count_images(text)
+    if markers == 0:
+        return IMAGE * n + text
+    if markers != n:
+        raise BadReturn(f"returned an observation with {markers} {IMAGE} marker(s) for its {n} image(s): "
+                        f"mark each image where it stands, or none (all at the start)")
+    return text
 
 
 def _check_opening(raw) -> str | None:
@@ -280,8 +340,13 @@ def brief(x) -> str:
 
 
 def encode_observation(tokenizer, text: str, role: str | None = "user", *, use_chat_template: bool = True,
-                       end_of_turn: str | None = None) -> list[int]:
+                       end_of_turn: str | None = None, images: int = 0) -> list[int]:
     """The ids to append after the policy's turn for an observation (see the module docstring).
+
+    `images`: how many the observation shows (its text holds a "<image>" marker each): each marker
+    becomes an image part for the template, or Qwen2-VL's `<|vision_start|><|image_pad|><|vision_end|>`
+    in text written as it is; the ids then hold one `<|image_pad|>` per image, unexpanded (the
+    caller checks the count: a tokenizer without image tokens holds none).
 
     With a chat template (and `role`), the turn must have ended with `end_of_turn` (default: the
     tokenizer's eos, e.g. "<|im_end|>"; a turn cut short needs its id appended first); the ids are
@@ -291,12 +356,13 @@ def encode_observation(tokenizer, text: str, role: str | None = "user", *, use_c
     conversation rendered and tokenised at once.
     """
     if role is None or not use_chat_template or not getattr(tokenizer, "chat_template", None):
-        return list(tokenizer.encode(text, add_special_tokens=False))
+        return list(tokenizer.encode(text.replace(IMAGE, IMAGE_TEXT) if images else text, add_special_tokens=False))
     eot = end_of_turn or tokenizer.eos_token
     mark = "conveyor-stand-in-turn"
     before = [{"role": "user", "content": "u"}, {"role": "assistant", "content": mark}]
     base = tokenizer.apply_chat_template(before, tokenize=False)
-    full = tokenizer.apply_chat_template(before + [{"role": role, "content": text}], tokenize=False,
+    content = text_to_parts(text) if images and IMAGE in text else text
+    full = tokenizer.apply_chat_template(before + [{"role": role, "content": content}], tokenize=False,
                                          add_generation_prompt=True)
     if not full.startswith(base):
         raise ValueError("the chat template renders earlier turns differently once a message follows them; "

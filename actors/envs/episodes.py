@@ -26,6 +26,14 @@ An environment that raises, outlives its timeout or returns what the API does no
 episode (`actors.envs.api.EnvFailure`, counted by kind); as with a prompt refused, the episode's group is
 given up (the buffer takes a group whole), never the generator.
 
+A vision-language policy's episode may hold images: its prompt's, and those its environment's
+observations show (`StepResult.images`, at most `generator.max_images_per_prompt` in all: each
+turn's request holds every image so far, and that is the engine's limit per request; past it the
+episode fails, kind `refused`). The engine is given each image as its one placeholder; the rollout
+holds them expanded to the image's tokens, an observation's placeholders among the environment's
+tokens (mask 0), and `Rollout.images` the prompt's images then the observations', in order
+(actors/envs/images.py has the two views).
+
 An OpenRLHF file whose `AgentExecutor` has its own `execute` (`factory` is then an
 `actors.envs.agent_executor.ExecutorEpisodes`) plays each episode itself: its engine calls join
 the same batches, and what it returns becomes the episode (see that module).
@@ -43,7 +51,8 @@ import numpy as np
 from actors.engines.base import Completion, Engine, Sampling
 from actors.envs.agent_executor import ExecutorEpisodes, Played, prompt_text
 from actors.envs.api import EnvFailure, Row, encode_observation, run_reset, run_step
-from actors.prompts import encode_prompt
+from actors.envs.images import first_difference, image_tokens
+from actors.prompts import IMAGE_PAD, PromptRefused, encode_prompt
 from buffer.messages import ID_DTYPE, LOGPROB_DTYPE, PromptGroup, Rollout
 from common.wire import MASK_DTYPE
 
@@ -55,7 +64,7 @@ class Episode:
     group: PromptGroup
     sample_index: int
     env: object
-    prompt_ids: list[int]
+    prompt_ids: list[int]  # the rollout's prompt (with images: each expanded to its tokens)
     ids: list[int] = field(default_factory=list)  # the completion so far: the policy's and the environment's
     mask: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
@@ -66,14 +75,30 @@ class Episode:
     finish: str = ""  # "" while it runs; "stop" | "length"
     failure: EnvFailure | None = None
     info: dict[str, float] = field(default_factory=dict)  # Rollout.env_info: the last step's scores and extra logs
+    images: list[bytes] = field(default_factory=list)  # the prompt's, then the observations', in placeholder order
+    # the engine's view (actors/envs/images.py): the prompt and the completion with one placeholder
+    # per image; None / equal to prompt_ids and ids for an episode without images
+    engine_prompt: list[int] | None = None
+    engine_ids: list[int] = field(default_factory=list)
 
-    def add(self, ids, mask: int, logprobs=None, versions=None, text: str = "") -> None:
+    def add(self, ids, mask: int, logprobs=None, versions=None, text: str = "", engine_ids=None) -> None:
+        """Append ids (the rollout's view); `engine_ids`: the same as the engine is given them, when
+        they differ (an observation's images unexpanded)."""
         self.ids += ids
+        self.engine_ids += ids if engine_ids is None else engine_ids
         self.mask += [mask] * len(ids)
         self.logprobs += list(logprobs) if logprobs is not None else [0.0] * len(ids)
         last = self.versions[-1] if self.versions else 0
         self.versions += list(versions) if versions is not None else [last] * len(ids)
         self.texts.append(text)
+
+    def context(self) -> list[int]:
+        """The ids the engine is given for the next turn."""
+        return (self.prompt_ids if self.engine_prompt is None else self.engine_prompt) + self.engine_ids
+
+    def refuse(self, why: str, counts: Counter) -> None:
+        self.failure = EnvFailure("refused", why)
+        counts["refused"] += 1
 
 
 def context_limit(cfg) -> int:
@@ -109,13 +134,15 @@ class Batcher:
 
     def __init__(self, generate, tokenizer=None):
         self.generate, self.tokenizer = generate, tokenizer
-        self.waiting: list[tuple[list[int], Sampling, asyncio.Future]] = []
+        self.waiting: list[tuple[list[int], Sampling, asyncio.Future, list[bytes] | None]] = []
         self.wake = asyncio.Event()
         self.batches = 0
 
-    async def sample(self, context: list[int], sampling: Sampling):
+    async def sample(self, context: list[int], sampling: Sampling, images: list[bytes] | None = None):
+        """One completion of `context`; `images`: the context's, one placeholder each in it (a batch
+        with images calls `generate(contexts, sampling, images)`, a text batch `generate(contexts, sampling)`)."""
         fut = asyncio.get_running_loop().create_future()
-        self.waiting.append((context, sampling, fut))
+        self.waiting.append((context, sampling, fut, images or None))
         self.wake.set()
         return await fut
 
@@ -132,16 +159,18 @@ class Batcher:
                 key = (s.temperature, s.top_p, s.top_k, tuple(s.stop), tuple(s.stop_token_ids), s.seed)
                 by_sampling.setdefault(key if self.tokenizer is not None else (s.max_tokens, *key), []).append(item)
             for items in by_sampling.values():
-                most = replace(items[0][1], max_tokens=max(s.max_tokens for _, s, _ in items))
+                most = replace(items[0][1], max_tokens=max(s.max_tokens for _, s, _, _ in items))
+                images = [i for _, _, _, i in items]
+                args = ([c for c, _, _, _ in items], most) + ((images,) if any(images) else ())
                 try:
-                    out = await loop.run_in_executor(None, self.generate, [c for c, _, _ in items], most)
+                    out = await loop.run_in_executor(None, self.generate, *args)
                 except Exception as e:  # (the engine refused a context: every episode of the batch hears it)
-                    for _, _, fut in items:
+                    for _, _, fut, _ in items:
                         if not fut.done():  # (else: its episode was cancelled meanwhile)
                             fut.set_exception(e)
                     continue
                 self.batches += 1
-                for (_, s, fut), c in zip(items, out):
+                for (_, s, fut, _), c in zip(items, out):
                     if not fut.done():
                         fut.set_result(cut(c, s.max_tokens, self.tokenizer))
 
@@ -153,7 +182,15 @@ def cut(c: Completion, max_tokens: int, tokenizer) -> Completion:
         return c
     ids = c.token_ids[:max_tokens]
     return Completion(ids, c.logprobs[:max_tokens], "length", tokenizer.decode(ids, skip_special_tokens=True),
-                      None if c.versions is None else c.versions[:max_tokens])
+                      None if c.versions is None else c.versions[:max_tokens], prompt_ids=c.prompt_ids)
+
+
+def before_placeholder(c: Completion, placeholders: set[int], tokenizer) -> Completion:
+    """A vision-language policy's turn ended before the first image (or video) placeholder it
+    sampled: the model's forward gives every placeholder an image's features, and the next turn's
+    engine would look for an image for it (as `actors.generator.before_placeholder`)."""
+    at = next((t for t, tok in enumerate(c.token_ids) if tok in placeholders), None)
+    return c if at is None else cut(c, at, tokenizer)
 
 
 async def _play(groups, prompt_ids, n, engine, sampling, cfg, factory, generate, counts):
@@ -163,11 +200,14 @@ async def _play(groups, prompt_ids, n, engine, sampling, cfg, factory, generate,
                 for g, ids in zip(groups, prompt_ids) for j in range(n)]
     limit = context_limit(cfg)
     batcher = Batcher(generate, tok)
+    placeholders = set(getattr(engine, "placeholder_ids", ()))  # (none: a text policy)
 
     # the file's execute plays the whole episode, within OpenRLHF's max_length: at most what the engine holds
     max_length = min(limit, cfg.max_model_len) if cfg.max_model_len else limit
 
     async def execute(e: Episode) -> None:
+        if e.group.images:  # (the generator refuses such groups; this for a caller of run_episodes)
+            return e.refuse("an AgentExecutor with its own execute takes text prompts only", counts)
         out = await executor.play(prompt_text(tok, e.group.prompt, e.group.messages, cfg.use_chat_template),
                                   e.group.label, batcher.sample, tok, sampling, max_length, lambda: engine.version,
                                   cfg.session_timeout_s, counts)
@@ -183,13 +223,26 @@ async def _play(groups, prompt_ids, n, engine, sampling, cfg, factory, generate,
             e.failure = opening
             return
         if opening is not None:  # the environment's own opening replaces the prompt, encoded as a prompt is
-
-            e.prompt_ids = encode_prompt(tok, opening, cfg.use_chat_template)
+            try:  # (with the prompt's images: one "<image>" marker each in the opening)
+                e.prompt_ids = encode_prompt(tok, opening, cfg.use_chat_template, images=e.group.images)
+            except PromptRefused as err:
+                return e.refuse(f"reset's opening: {err}", counts)
+        if e.group.images:
+            e.images, e.engine_prompt = [bytes(b) for b in e.group.images], e.prompt_ids
+            e.prompt_ids = image_tokens(cfg.model).expand(e.engine_prompt, e.images)
         role = getattr(e.env, "observation_role", "user")
         turn = replace(sampling, stop=[*sampling.stop, *getattr(e.env, "stop", ())])
         while True:
             room = limit - len(e.prompt_ids) - len(e.ids)
-            c = await batcher.sample(e.prompt_ids + e.ids, replace(turn, max_tokens=max(1, min(turn.max_tokens, room))))
+            c = await batcher.sample(e.context(), replace(turn, max_tokens=max(1, min(turn.max_tokens, room))),
+                                     list(e.images))
+            if e.images and (why := _expanded_differently(e, c)):
+                return e.refuse(why, counts)
+            if placeholders:
+                c = before_placeholder(c, placeholders, tok)
+                if not c.token_ids:
+                    return e.refuse("a turn began with an image placeholder token, which the learner's forward "
+                                    "cannot take without an image", counts)
             e.add(c.token_ids, 1, c.logprobs,
                   c.versions if c.versions is not None else [engine.version] * len(c.token_ids), c.text)
             e.turns += 1
@@ -202,13 +255,21 @@ async def _play(groups, prompt_ids, n, engine, sampling, cfg, factory, generate,
             if res.done:
                 e.finish = "stop"
                 return
+            new = res.images or []
             obs = close_turn(tok, c.token_ids, role, cfg.use_chat_template)
-            obs += encode_observation(tok, res.observation, role, use_chat_template=cfg.use_chat_template)
-            if e.turns >= cfg.max_turns or len(e.prompt_ids) + len(e.ids) + len(obs) >= limit:
+            obs += encode_observation(tok, res.observation, role, use_chat_template=cfg.use_chat_template,
+                                      images=len(new))
+            expanded = obs
+            if (new or placeholders) and e.turns < cfg.max_turns:
+                if why := _observation_refused(obs, new, len(e.images), placeholders, cfg.max_images_per_prompt):
+                    return e.refuse(why, counts)
+                expanded = image_tokens(cfg.model).expand(obs, new) if new else obs
+            if e.turns >= cfg.max_turns or len(e.prompt_ids) + len(e.ids) + len(expanded) >= limit:
                 e.finish = "length"  # a turn limit or the context limit: truncated, as a long completion is
                 counts["episodes_truncated"] += 1
                 return
-            e.add(list(obs), 0, text=res.observation)
+            e.add(list(expanded), 0, text=res.observation, engine_ids=list(obs))
+            e.images += new
 
     server = asyncio.create_task(batcher.serve())
     try:
@@ -218,6 +279,35 @@ async def _play(groups, prompt_ids, n, engine, sampling, cfg, factory, generate,
     counts["episodes_failed"] += sum(e.failure is not None for e in episodes)
     counts["engine_batches"] += batcher.batches
     return {g.group_id: [e for e in episodes if e.group.group_id == g.group_id] for g in groups}
+
+
+def _expanded_differently(e: Episode, c: Completion) -> str:
+    """Why the engine's expansion of an episode's context is not the rollout's view so far ("": it is)."""
+    if c.prompt_ids is None:
+        return "the engine gave no expanded prompt ids for a context with images"
+    ours = e.prompt_ids + e.ids
+    at = first_difference(c.prompt_ids, ours)
+    if at is None:
+        return ""
+    return (f"the engine expanded the context's {len(e.images)} image(s) to {len(c.prompt_ids)} ids, the model's "
+            f"image processor to {len(ours)} (they differ from position {at} on)")
+
+
+def _observation_refused(obs: list[int], images: list[bytes], before: int, placeholders: set[int],
+                         max_images: int) -> str:
+    """Why an observation's ids and images cannot join the episode ("": they can): a text policy,
+    placeholders that are not its images', or more images in the episode than the engine takes."""
+    if images and not placeholders:
+        return (f"an observation with {len(images)} image(s), but the policy is a text model "
+                f"(its engine takes no images)")
+    held = sum(1 for t in obs if t in placeholders)
+    if held != len(images):
+        return (f"the observation's ids hold {held} image placeholder(s) ({IMAGE_PAD}) for its {len(images)} "
+                f"image(s): a placeholder written in its text, or a tokenizer without image tokens")
+    if before + len(images) > max_images:
+        return (f"{before + len(images)} images in the episode (the prompt's and the observations') > "
+                f"generator.max_images_per_prompt={max_images}, the images one engine request may hold")
+    return ""
 
 
 def fill(e: Episode, out: Played, tokenizer) -> None:
@@ -237,4 +327,4 @@ def rollout_of(e: Episode, lease_id: int, worker_id: str) -> Rollout:
         behav_logprobs=np.asarray(e.logprobs, dtype=LOGPROB_DTYPE), versions=np.asarray(e.versions, dtype=ID_DTYPE),
         prompt=e.group.prompt, completion="".join(e.texts), label=e.group.label, finish_reason=e.finish,
         worker_id=worker_id, action_mask=np.asarray(e.mask, dtype=MASK_DTYPE), env_reward=e.reward,
-        env_info=e.info, columns=e.group.columns)
+        env_info=e.info, columns=e.group.columns, images=e.images or None)

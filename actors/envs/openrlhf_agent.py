@@ -30,7 +30,10 @@ from actors.envs.api import (
     check_text,
     flag,
     number,
+    observation_images,
 )
+from actors.prompts import IMAGE_TEXT
+from common.images import IMAGE
 
 log = logging.getLogger("conveyor.env")
 
@@ -172,7 +175,10 @@ class OpenRLHFAgent(Environment):
     returns `rewards` (summed over the episode), `environment_feedback` (appended as text), `done`,
     and optionally `scores` (the episode's score for dynamic filtering: the last step's, else the
     reward so far), `extra_logs` and `sampling_params` (passed on in `info`; the generator may set
-    `sampling_params` to what the agent should see). With a chat template, OpenRLHF's observation
+    `sampling_params` to what the agent should see), and `environment_images` (a vision-language
+    policy's: images the feedback shows, as bytes, PIL images or base64, each written in the
+    feedback as Qwen2-VL's `<|vision_start|><|image_pad|><|vision_end|>` as OpenRLHF's example
+    writes it, or as "<image>"; none written: all at the feedback's start). With a chat template, OpenRLHF's observation
     text would hold the rendered prompt where this holds the plain one. An `async def __init__` (as
     OpenRLHF's README writes one) is awaited.
     """
@@ -203,10 +209,11 @@ class OpenRLHFAgent(Environment):
         missing = [k for k in ("rewards", "environment_feedback", "done") if k not in out]
         if missing:
             raise BadReturn(f"returned a dict without {', '.join(map(repr, missing))} (it has {sorted(out)})")
-        if out.get("environment_images"):
-            raise BadReturn("returned environment_images: image feedback is not supported")
         feedback, reward = out["environment_feedback"], number(out["rewards"], "rewards")
         check_text(feedback, "environment_feedback")
+        images = observation_images(out.get("environment_images"), "'environment_images'")
+        if images:  # OpenRLHF's feedback writes each image as the model's own placeholder text
+            feedback = feedback.replace(IMAGE_TEXT, IMAGE)
         self.total_reward += reward
         scores = out.get("scores", self.total_reward)
         extra_logs = out.get("extra_logs") or {}
@@ -215,8 +222,8 @@ class OpenRLHFAgent(Environment):
         info = {"scores": None if scores is None else number(_plain(scores), "scores"), "extra_logs": extra_logs}
         if out.get("sampling_params") is not None:
             info["sampling_params"] = out["sampling_params"]  # OpenRLHF samples the next turn with them
-        self.observation_text += action + feedback
-        return StepResult(feedback, reward, flag(out["done"], "done"), info)
+        self.observation_text += action + out["environment_feedback"]
+        return StepResult(feedback, reward, flag(out["done"], "done"), info, images or None)
 
 
 async def _maybe_await(x):
