@@ -130,6 +130,12 @@ def vllm_names(model, named: list) -> list:
     mapper = getattr(model, "hf_to_vllm_mapper", None)
     if mapper is None:
         return named
+    if getattr(mapper, "orig_to_new_stacked", None):
+        # renames only: q/k/v_proj -> qkv_proj (vLLM 0.32's `orig_to_new_stacked`) would lose which
+        # shard a tensor is; load_plan places shards itself (packed_modules_mapping)
+        import dataclasses
+
+        mapper = dataclasses.replace(mapper, orig_to_new_stacked={})
     out = []
     for name, t in named:
         mapped = mapper._map_name(name)
