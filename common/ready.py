@@ -15,19 +15,33 @@ import os
 import time
 from pathlib import Path
 
+from common.disk import OutOfDisk, is_disk_full
+
 ENV = "CONVEYOR_READY_FILE"
 
 
 def mark_ready(role: str, **info) -> Path | None:
-    """Write `{"role", "pid", "time", **info}` to the path in $CONVEYOR_READY_FILE, if there is one."""
+    """Write `{"role", "pid", "time", **info}` to the path in $CONVEYOR_READY_FILE, if there is one.
+
+    On a full disk the first record raises `common.disk.OutOfDisk` (the role is not ready: it exits
+    with the disk's code); a later one, which only updates what the role says of itself, is skipped
+    (returns None) and the last whole record stays."""
     path = os.environ.get(ENV)
     if not path:
         return None
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + f".{os.getpid()}.tmp")
-    tmp.write_text(json.dumps({"role": role, "pid": os.getpid(), "time": time.time(), **info}))
-    os.replace(tmp, path)
+    try:
+        tmp.write_text(json.dumps({"role": role, "pid": os.getpid(), "time": time.time(), **info}))
+        os.replace(tmp, path)
+    except OSError as e:
+        tmp.unlink(missing_ok=True)
+        if not is_disk_full(e):
+            raise
+        if not path.exists():
+            raise OutOfDisk(path) from e
+        return None
     return path
 
 
