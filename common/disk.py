@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Iterator
 
 FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
+DISK_WORDS = "out of disk space writing"  # how OutOfDisk's message starts (a launcher looks for it in a log)
 FULL_WORDS = ("No space left on device", "Disk quota exceeded")  # (libraries that do not keep the errno)
 NEARLY_FULL = 1 << 20  # bytes: a failed write with less than this free is taken as a full disk (see `writing`)
 RESERVE_ENV = "CONVEYOR_DISK_RESERVE"
@@ -32,7 +33,7 @@ class OutOfDisk(OSError):
     def __init__(self, path: str | Path, free: int | None = None, code: int = errno.ENOSPC):
         self.path = str(path)
         self.free = free_bytes(path) if free is None else free
-        super().__init__(code, f"out of disk space writing {self.path} ({self.free} bytes free on its filesystem, "
+        super().__init__(code, f"{DISK_WORDS} {self.path} ({self.free} bytes free on its filesystem, "
                                f"mounted at {mount_point(path)}); free some: older checkpoints under "
                                f"<run_dir>/checkpoints (learner.keep_checkpoints keeps fewer), old logs under "
                                f"<run_dir>/logs, or other files on that filesystem", self.path)

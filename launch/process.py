@@ -18,6 +18,7 @@ import sys
 import time
 from pathlib import Path
 
+from common.disk import DISK_WORDS
 from common.guards import proc_stat
 from common.ready import ENV as READY_ENV
 from common.ready import read_ready
@@ -142,7 +143,17 @@ class Process:
         except (ProcessLookupError, PermissionError):
             pass
 
-    def tail(self, n: int = 20) -> str:
-        if not self.log_path.exists():
-            return ""
-        return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
+    def tail(self, n: int = 20, disk_full: bool = False) -> str:
+        """The log's last `n` lines; with the role's own last words about a full disk first when
+        they are further up (a thread's traceback printed while the process ended may follow them).
+        `disk_full` (the role exited with the disk's code): when its words are nowhere in the log (the
+        full disk took them too), a line that says so, naming the log."""
+        lines = self.log_path.read_text(errors="replace").splitlines() if self.log_path.exists() else []
+        out = lines[-n:]
+        disk = [line for line in lines if DISK_WORDS in line]
+        if disk and disk[-1] not in out:
+            out = disk[-1:] + out
+        elif not disk and disk_full:
+            out = [f"{self.name}: {DISK_WORDS} {self.log_path} (it stopped on a full disk, and its own account "
+                   f"of what it could not write did not reach its log)"] + out
+        return "\n".join(out)

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Callable, Sequence
 
 from launch.process import Process
+from launch.recovery import EXIT_CODES
 from launch.roles import RoleSpec, State, after_exit, gone_for_good
 
 
@@ -103,7 +104,8 @@ class Supervisor:
                 role.code = role.returncode
                 role.state = after_exit(role.spec, self.restarts[role.name], role.code)
                 if role.state == State.FAILED and role.spec.required:
-                    raise RoleFailed(role.name, role.code, role.log_path, "\n" + role.proc.tail())
+                    raise RoleFailed(role.name, role.code, role.log_path,
+                                     "\n" + role.proc.tail(disk_full=role.code == EXIT_CODES["disk"]))
                 if role.state == State.RESTARTING:
                     role.restart_at = now + role.spec.restart.delay_s
                     self.say(f"{role.name} exited with code {role.code}; restart "

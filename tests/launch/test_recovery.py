@@ -51,3 +51,27 @@ def test_a_full_disk_is_resumed_once_there_is_space_and_not_past_the_bound(tmp_p
         assert with_auto_resume(run_in(disk / "run", wait_s=0), attempts(9, 0), said.append) == (9, 0)
         (disk / "ballast").unlink()
         assert with_auto_resume(run_in(disk / "run", wait_s=0), attempts(9, 0), said.append) == (0, 1)
+
+
+def test_a_roles_failure_names_the_full_disk_even_when_a_traceback_follows_it(tmp_path):
+    """A role dead of a full disk says so last (launch.entry), but a thread of a library may print
+    its own traceback after that line while the process ends (tensorboard's event writer does): the
+    failure's detail still starts with the role's words, then the log's last lines."""
+    from common.disk import OutOfDisk
+    from launch.process import Process
+
+    log = tmp_path / "learner.log"
+    words = f"learner: {OutOfDisk(tmp_path / 'run' / 'tensorboard')}"
+    thread = ["Exception in thread Thread-3:", "Traceback (most recent call last):"] + \
+        [f'  File "writer.py", line {i}, in _run' for i in range(30)] + ["OSError: [Errno 28] No space left on device"]
+    log.write_text("\n".join(["step 6 done", words, *thread]) + "\n")
+    detail = Process("learner", log, tmp_path / "ready.json").tail().splitlines()
+    assert detail[0] == words and detail[1:] == thread[-20:]
+    # a log whose last lines hold the words already gets nothing more
+    log.write_text("\n".join(["step 6 done", words]) + "\n")
+    assert Process("learner", log, tmp_path / "ready.json").tail().splitlines() == ["step 6 done", words]
+    # a role whose words never reached its log (the full disk took them): the failure says so
+    log.write_text("step 6 done\n")
+    detail = Process("learner", log, tmp_path / "ready.json").tail(disk_full=True).splitlines()
+    assert detail[0].startswith(f"learner: out of disk space writing {log} (it stopped on a full disk")
+    assert detail[1:] == ["step 6 done"] and Process("learner", log, tmp_path / "r").tail() == "step 6 done"
