@@ -32,6 +32,14 @@ def tiny_model_dir(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def vlm_dir(tmp_path_factory) -> Path:
+    """The tiny Qwen2-VL (demo/tiny_vlm.py) with its processor; read-only for the tests that share it."""
+    from demo.tiny_vlm import build_tiny_vlm
+
+    return build_tiny_vlm(tmp_path_factory.mktemp("vlm") / "model", seed=0)
+
+
+@pytest.fixture(scope="session")
 def quick_start_files(tiny_model_dir, tmp_path_factory):
     """The tiny policy, a reward model of its shape (a sequence-classification head, seeded), and
     16 arithmetic prompts under both OpenRLHF's default key (`input`) and Conveyor's (`prompt`)."""

@@ -14,7 +14,6 @@ Pictures are of three sizes: 56x56 (4 image tokens), 112x56 (8) and 84x84 (9).
 
 from __future__ import annotations
 
-import io
 from types import SimpleNamespace
 
 import msgspec
@@ -30,42 +29,6 @@ from buffer.messages import ChatMessage, LeaseGrant, PromptGroup, decode_item, e
 from common.images import pil_image, text_to_parts
 
 TOL = 1e-4  # vLLM's CPU build and transformers agree to ~1e-6 in fp32 (as tests/actors/test_engines.py)
-
-
-def picture(width: int, height: int, seed: int) -> bytes:
-    """A PNG of seeded noise: every picture differs, so the model's answer depends on which it sees."""
-    from PIL import Image
-
-    px = np.random.default_rng(seed).integers(0, 256, (height, width, 3), dtype=np.uint8)
-    out = io.BytesIO()
-    Image.fromarray(px).save(out, format="PNG")
-    return out.getvalue()
-
-
-@pytest.fixture(scope="module")
-def vlm_dir(tmp_path_factory):
-    from demo.tiny_vlm import build_tiny_vlm
-
-    return build_tiny_vlm(tmp_path_factory.mktemp("vlm") / "model", seed=0)
-
-
-@pytest.fixture(scope="module")
-def pics() -> dict[str, bytes]:
-    return {"a": picture(56, 56, 0), "b": picture(56, 56, 1), "wide": picture(112, 56, 2), "big": picture(84, 84, 3)}
-
-
-@pytest.fixture(scope="module")
-def tok(vlm_dir):
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(vlm_dir)
-
-
-@pytest.fixture(scope="module")
-def processor(vlm_dir):
-    from transformers import AutoProcessor
-
-    return AutoProcessor.from_pretrained(vlm_dir)
 
 
 @pytest.fixture(scope="module")

@@ -33,45 +33,10 @@ from actors.generator import Counters, make_rollouts
 from actors.prompts import IMAGE_PAD, IMAGE_TEXT, VIDEO_PAD, encode_prompt
 from buffer.messages import LeaseGrant, PromptGroup
 from common.images import pil_image, text_to_parts
+from tests.helpers.vision import picture
 
 TOL = 1e-4
 OBSERVATION = "\nuser: <image>What now?\nassistant: "  # written as the tiny model's template writes a user turn
-
-
-def picture(width: int, height: int, seed: int) -> bytes:
-    """A PNG of seeded noise: every picture differs, so the model's answer depends on which it sees."""
-    from PIL import Image
-
-    px = np.random.default_rng(seed).integers(0, 256, (height, width, 3), dtype=np.uint8)
-    out = io.BytesIO()
-    Image.fromarray(px).save(out, format="PNG")
-    return out.getvalue()
-
-
-@pytest.fixture(scope="module")
-def vlm_dir(tmp_path_factory):
-    from demo.tiny_vlm import build_tiny_vlm
-
-    return build_tiny_vlm(tmp_path_factory.mktemp("vlm") / "model", seed=0)
-
-
-@pytest.fixture(scope="module")
-def pics() -> dict[str, bytes]:
-    return {"a": picture(56, 56, 0), "b": picture(56, 56, 1), "wide": picture(112, 56, 2), "big": picture(84, 84, 3)}
-
-
-@pytest.fixture(scope="module")
-def tok(vlm_dir):
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(vlm_dir)
-
-
-@pytest.fixture(scope="module")
-def processor(vlm_dir):
-    from transformers import AutoProcessor
-
-    return AutoProcessor.from_pretrained(vlm_dir)
 
 
 class PictureEnv(Environment):

@@ -19,13 +19,6 @@ from learner.config import LearnerConfig
 
 
 @pytest.fixture(scope="module")
-def vlm_dir(tmp_path_factory):
-    from demo.tiny_vlm import build_tiny_vlm
-
-    return build_tiny_vlm(tmp_path_factory.mktemp("vlm") / "model", seed=0)
-
-
-@pytest.fixture(scope="module")
 def pictures():
     from demo.vision import make_rows
 
