@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import json
 import subprocess
+import sys
 import time
 from pathlib import Path
+
+from tests.helpers.procs import ROOT, subprocess_env
 
 QUICK_START = """--ref_num_nodes 1 --ref_num_gpus_per_node 1 --reward_num_nodes 1 --reward_num_gpus_per_node 1
  --critic_num_nodes 1 --critic_num_gpus_per_node 1 --actor_num_nodes 1 --actor_num_gpus_per_node 1
@@ -56,3 +59,15 @@ def metrics(run_dir: Path) -> list[dict]:
     from launch.local import read_metrics
 
     return read_metrics(run_dir / "metrics.jsonl")
+
+
+def run_local_config(config: Path, run_dir: Path, model, prompts, *extra: str,
+                     timeout: float = 900) -> tuple[int, str, list[dict]]:
+    """`launch.local CONFIG` on `model` and `prompts` into `run_dir`: (exit code, the output's tail, the
+    metrics rows)."""
+    argv = [sys.executable, "-m", "launch.local", str(config), "--run.run_dir", str(run_dir),
+            "--learner.model_path", str(model), "--buffer.prompts", str(prompts), *extra]
+    proc = subprocess.run(argv, cwd=ROOT, env=subprocess_env(), capture_output=True, text=True, timeout=timeout)
+    path = run_dir / "metrics.jsonl"
+    rows = [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+    return proc.returncode, proc.stdout[-3000:] + proc.stderr[-3000:], rows

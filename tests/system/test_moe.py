@@ -21,6 +21,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.helpers.cluster import run_local_config
 from tests.helpers.procs import ROOT, subprocess_env
 
 pytestmark = pytest.mark.slow
@@ -45,12 +46,7 @@ def moe_setup(tmp_path_factory):
 
 
 def run_local(run_dir: Path, setup: dict, *extra: str, timeout: float = 900) -> tuple[int, str, list[dict]]:
-    argv = [sys.executable, "-m", "launch.local", str(DEMO_YAML), "--run.run_dir", str(run_dir),
-            "--learner.model_path", str(setup["warm"]), "--buffer.prompts", str(setup["prompts"]), *extra]
-    proc = subprocess.run(argv, cwd=ROOT, env=subprocess_env(), capture_output=True, text=True, timeout=timeout)
-    path = run_dir / "metrics.jsonl"
-    rows = [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
-    return proc.returncode, proc.stdout[-3000:] + proc.stderr[-3000:], rows
+    return run_local_config(DEMO_YAML, run_dir, setup["warm"], setup["prompts"], *extra, timeout=timeout)
 
 
 @pytest.fixture(scope="module")

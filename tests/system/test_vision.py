@@ -13,14 +13,13 @@ frozen sends rounds without it, and its checkpoint's vision tower is the start's
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 
-from tests.helpers.procs import ROOT, subprocess_env
+from tests.helpers.cluster import run_local_config
+from tests.helpers.procs import ROOT
 
 pytestmark = pytest.mark.slow
 
@@ -43,12 +42,7 @@ def vision_setup(tmp_path_factory):
 
 
 def run_local(run_dir: Path, setup: dict, *extra: str, timeout: float = 900) -> tuple[int, str, list[dict]]:
-    argv = [sys.executable, "-m", "launch.local", str(VISION_YAML), "--run.run_dir", str(run_dir),
-            "--learner.model_path", str(setup["warm"]), "--buffer.prompts", str(setup["prompts"]), *extra]
-    proc = subprocess.run(argv, cwd=ROOT, env=subprocess_env(), capture_output=True, text=True, timeout=timeout)
-    path = run_dir / "metrics.jsonl"
-    rows = [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
-    return proc.returncode, proc.stdout[-3000:] + proc.stderr[-3000:], rows
+    return run_local_config(VISION_YAML, run_dir, setup["warm"], setup["prompts"], *extra, timeout=timeout)
 
 
 @pytest.fixture(scope="module")
