@@ -9,7 +9,6 @@ from __future__ import annotations
 import base64
 import io
 import json
-from pathlib import Path
 
 import pytest
 
@@ -20,6 +19,7 @@ from buffer.config import BufferConfig  # noqa: E402
 from buffer.messages import LeaseGrant, decode, encode  # noqa: E402
 from buffer.prompts import PromptsError, load_prompts, prompt_group, prompts_from_config  # noqa: E402
 from common.images import IMAGE, ImageLimits  # noqa: E402
+from tests.helpers.datasets import write_jsonl, write_parquet
 
 
 def png(color="red", size=(8, 8)) -> bytes:
@@ -33,21 +33,6 @@ NOISE = Image.effect_noise((32, 32), 64).convert("RGB")  # noise: hundreds of by
 BIG = io.BytesIO()
 NOISE.save(BIG, format="PNG")
 BIG = BIG.getvalue()
-
-
-def write_jsonl(path: Path, rows: list[dict]) -> Path:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return path
-
-
-def write_parquet(path: Path, rows: list[dict]) -> Path:
-    pa = pytest.importorskip("pyarrow")
-    import pyarrow.parquet as pq
-
-    path.parent.mkdir(parents=True, exist_ok=True)
-    pq.write_table(pa.Table.from_pylist(rows), path)
-    return path
 
 
 def b64(data: bytes) -> str:

@@ -20,6 +20,7 @@ import pytest
 from buffer.prompts import PromptsError, load_prompts, mix_order, prompts_from_config
 from common.datasets import DatasetError, hub_splits, iter_rows
 from tests.helpers.buffer import start_buffer
+from tests.helpers.datasets import write_jsonl, write_parquet
 from tests.helpers.procs import ROOT, subprocess_env
 
 # Every message is "<s>" role ":" content "\n"; the generation prompt is "<s>assistant:" (the tiny
@@ -27,21 +28,6 @@ from tests.helpers.procs import ROOT, subprocess_env
 TEMPLATE = ("{% for m in messages %}<s>{{ m['role'] }}:{{ m['content'] }}\n{% endfor %}"
             "{% if add_generation_prompt %}<s>assistant:{% endif %}")
 SYSTEM = "Add. Write the digits of the sum in reverse."
-
-
-def write_jsonl(path: Path, rows: list) -> Path:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in rows))
-    return path
-
-
-def write_parquet(path: Path, rows: list[dict]) -> Path:
-    pa = pytest.importorskip("pyarrow")
-    import pyarrow.parquet as pq
-
-    path.parent.mkdir(parents=True, exist_ok=True)
-    pq.write_table(pa.Table.from_pylist(rows), path)
-    return path
 
 
 def chat_rows(problems: list[dict]) -> list[dict]:
